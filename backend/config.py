@@ -1,0 +1,183 @@
+"""EngineConfig: every engine setting, validated once, shared by offline and online modes.
+
+The same names mean the same thing as vLLM's engine arguments, for ``LLM(...)``
+and for the ``tandem`` command line alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from backend.errors import InvalidRequestError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXECUTORS = ("uni", "mp", "ray", "external_launcher")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bf16 natively (x86 avx512_bf16/AMX, Arm bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set()
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. ``model=None`` means the default model.
+
+    Construction validates the plain values; ``resolve()`` then finds the
+    checkpoint, reads its config and fills in what depends on it (the dtype,
+    ``max_model_len``). Both raise ``InvalidRequestError``/``ModelNotFoundError``
+    with a message naming the setting.
+    """
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    revision: Optional[str] = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    # KV-cache budget: GiB on CPU, fraction of device memory on GPU, or an exact block count.
+    kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: Optional[int] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None  # None: "uni" for one worker, else "mp"
+    download_dir: Optional[str] = None  # where fetched and converted models live
+
+    # Filled in by resolve().
+    model_path: Optional[Path] = field(default=None, repr=False)
+    hf_config: Any = field(default=None, repr=False)
+    torch_dtype_name: Optional[str] = field(default=None, repr=False)
+    device_type: Optional[str] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(param: str, message: str) -> None:
+            raise InvalidRequestError(message, param=param)
+
+        if self.dtype not in DTYPES:
+            bad("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad("device", f"device must be auto, cpu or cuda; got {self.device!r}.")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                bad(name, f"{name} must be at least 1; got {getattr(self, name)}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad("max_model_len", f"max_model_len must be at least 1; got {self.max_model_len}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad("num_kv_blocks", f"num_kv_blocks must be at least 1; got {self.num_kv_blocks}.")
+        if self.kv_cache_memory_gb <= 0:
+            bad("kv_cache_memory_gb", f"kv_cache_memory_gb must be positive; got {self.kv_cache_memory_gb}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad("gpu_memory_utilization",
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}.")
+        if self.distributed_executor_backend not in (None, *EXECUTORS):
+            bad("distributed_executor_backend",
+                f"distributed_executor_backend must be one of {', '.join(EXECUTORS)}; "
+                f"got {self.distributed_executor_backend!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    @property
+    def cache_dir(self) -> Path:
+        base = self.download_dir or os.environ.get("TANDEM_CACHE") or "~/.cache/tandem"
+        return Path(base).expanduser()
+
+    def resolve(self) -> "EngineConfig":
+        """Find the checkpoint and fill in what depends on it. Idempotent."""
+        if self.model_path is not None:
+            return self
+        from backend.models.loader import load_hf_config, resolve_model
+
+        self.model_path = resolve_model(self.model, cache_dir=self.cache_dir, revision=self.revision)
+        if self.served_model_name is None:
+            self.served_model_name = self.model or "SmolLM2-135M-Instruct"
+        self.hf_config = load_hf_config(self.model_path)
+        self._resolve_device_and_dtype()
+        self._resolve_max_model_len()
+        if self.enable_chunked_prefill is False and self.max_num_batched_tokens < self.max_model_len:
+            raise InvalidRequestError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is off.",
+                param="max_num_batched_tokens")
+        return self
+
+    def _resolve_device_and_dtype(self) -> None:
+        import torch
+
+        if self.device == "auto":
+            self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            self.device_type = self.device
+        if self.device_type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError("device='cuda' was asked for but no CUDA device is visible.",
+                                      param="device")
+        if self.dtype != "auto":
+            self.torch_dtype_name = self.dtype
+        elif self.device_type == "cuda" or cpu_has_native_bf16():
+            self.torch_dtype_name = "bfloat16"
+        else:
+            self.torch_dtype_name = "float32"
+
+    def _resolve_max_model_len(self) -> None:
+        cfg = self.hf_config
+        limit = None
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value > 0:
+                limit = value
+                break
+        if self.max_model_len is None:
+            if limit is None:
+                raise InvalidRequestError(
+                    "The model's config gives no maximum length; pass max_model_len.",
+                    param="max_model_len")
+            self.max_model_len = limit
+        elif limit is not None and self.max_model_len > limit:
+            raise InvalidRequestError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's maximum "
+                f"length ({limit}).", param="max_model_len")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The user-settable fields (the ones ``LLM(...)`` and the CLI accept)."""
+        return [f.name for f in dataclasses.fields(cls) if f.repr]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, rejecting unknown names with a clear error."""
+        known = set(cls.field_names())
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(f"Unknown engine argument(s): {', '.join(unknown)}.",
+                                      param=unknown[0])
+        return cls(**kwargs)

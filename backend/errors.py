@@ -1,0 +1,26 @@
+"""The engine's typed errors. Servers map these to status codes in one place each."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class TandemError(Exception):
+    """Base of every error Tandem raises on purpose."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The request cannot be served as asked (gRPC INVALID_ARGUMENT, HTTP 400)."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ModelNotFoundError(TandemError, ValueError):
+    """The model argument names no checkpoint we can find or fetch."""
+
+
+class EngineDeadError(TandemError, RuntimeError):
+    """The engine loop stopped after an internal error (gRPC UNAVAILABLE, HTTP 503)."""

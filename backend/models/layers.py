@@ -1,0 +1,146 @@
+"""Building blocks shared by the models: norms, rotary, fused linears, weight loading."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """x: [num_tokens, hidden]. With ``residual``: returns (norm(x + residual), x + residual)."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_parameters(config: Any) -> dict:
+    """The config's rotary settings as one dict (transformers 5 ``rope_parameters`` or 4.x fields)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed cos/sin table.
+
+    The frequencies come from transformers' own rope functions (default,
+    linear, llama3, yarn, ...), so they equal the oracle's bit for bit.
+    """
+
+    def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        params = rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
+            inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("dynamic rope scaling depends on the sequence length; it is not supported.")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        # [max_positions, rotary_dim]: cos | sin, fp32 whatever the model dtype
+        self.register_buffer("cos_sin_cache", kernels.rotary_cos_sin(inv_freq, max_positions, scaling),
+                             persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the table in fp32 when the model is cast to bf16 (only move devices).
+        cache = self.cos_sin_cache
+        super()._apply(fn, recurse)
+        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
+        return self
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
+
+
+class MergedLinear(nn.Linear):
+    """Several linears with one input, fused into one matmul (QKV, gate/up).
+
+    Checkpoints store them apart; ``load_shard`` copies each into its rows.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+
+    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        param = getattr(self, param_name)
+        start = self.offsets[shard]
+        param.data[start:start + self.output_sizes[shard]].copy_(tensor)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# checkpoint name fragment -> (fused parameter fragment, shard index)
+StackedParams = dict[str, tuple[str, int]]
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 stacked: StackedParams = None,
+                 rename: Callable[[str], Optional[str]] = lambda name: name) -> None:
+    """Copy checkpoint tensors into ``model``'s parameters.
+
+    ``rename`` maps a checkpoint name to a parameter name (None: skip it);
+    ``stacked`` routes e.g. ``q_proj`` into shard 0 of ``qkv_proj``. Every
+    parameter must be loaded exactly once, or a ValueError names the missing ones.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    stacked = stacked or {}
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        for fragment, (fused, shard) in stacked.items():
+            if f".{fragment}." in name:
+                fused_name = name.replace(f".{fragment}.", f".{fused}.")
+                module_name, param_name = fused_name.rsplit(".", 1)
+                model.get_submodule(module_name).load_shard(param_name, shard, tensor)
+                loaded.add(f"{fused_name}#{shard}")
+                break
+        else:
+            if name not in params:
+                raise ValueError(f"Checkpoint tensor {ckpt_name!r} matches no parameter of "
+                                 f"{type(model).__name__}.")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"Checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}.")
+            param.data.copy_(tensor)
+            loaded.add(name)
+    missing = []
+    for name, param in params.items():
+        module_name, param_name = name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if isinstance(module, MergedLinear):
+            missing += [f"{name}#{i}" for i in range(len(module.output_sizes))
+                        if f"{name}#{i}" not in loaded]
+        elif name not in loaded:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))

@@ -1,0 +1,229 @@
+"""Requests, sampling parameters and the per-step outputs the engine emits.
+
+Pure Python (no torch): the frontend imports these types too, so they are the
+data contract between the two halves, in process or over gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from backend.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (vLLM's names and defaults).
+
+    Validated on creation: a bad value raises ``InvalidRequestError`` that names
+    the parameter.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: Optional[int] = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: Optional[list[str]] = None  # matched on text by the frontend
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-k logprobs per generated token (0: sampled only)
+    prompt_logprobs: Optional[int] = None  # top-k logprobs per prompt token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, message: str) -> None:
+            raise InvalidRequestError(message, param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0.0:
+            bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            bad("top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        if any(not s for s in self.stop):
+            bad("stop", "stop strings must not be empty.")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "stop_token_ids must be non-negative token IDs.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended; the string values are OpenAI's."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token under the model's raw distribution."""
+
+    logprob: float
+    rank: Optional[int] = None  # 1 = most likely
+    decoded_token: Optional[str] = None  # filled in by the frontend
+
+
+# One position: token ID -> Logprob; the chosen token first, then the top-k.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class EngineOutput:
+    """What one sequence produced in one engine step (a delta, not a total).
+
+    A request with ``n > 1`` runs as ``n`` sequences; ``index`` tells them apart.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[PositionLogprobs]] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[int] = None  # the stop token ID that ended it, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Sent once, with the sequence's first delta; position 0 is None.
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Request:
+    """One sequence inside the engine: its tokens and how far the KV cache covers them.
+
+    The scheduler moves ``num_computed_tokens`` towards ``num_tokens``; nothing
+    else marks a request as prefilling or decoding.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: Optional[int],
+        parent_id: Optional[str] = None,
+        index: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, see BlockManager
+        self.finish_reason: Optional[FinishReason] = None
+        self.stop_reason: Optional[int] = None
+        self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
+        self.first_token_time: Optional[float] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class ModelInfo:
+    """What a client needs to know about the served model."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    tokenizer_path: Optional[str] = None  # a local directory holding the tokenizer files
+
+
+@dataclass
+class EngineLoad:
+    """A snapshot of the engine's load, for routing and metrics."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float  # 0.0 .. 1.0

@@ -1,0 +1,172 @@
+"""The scheduler: which tokens of which requests run in the next step.
+
+No prefill or decode phase: each request has ``num_tokens`` and
+``num_computed_tokens``, and every step hands out a token budget to close the
+gap, running requests first (in arrival order), then waiting ones. A long
+prompt takes several steps (chunked prefill); a prefix-cache hit just starts
+with a larger ``num_computed_tokens``. When the KV cache is full the newest
+running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from backend.block_manager import BlockManager
+from backend.request import FinishReason, Request, RequestStatus, SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, as the model runner needs it (read-only there)."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
+    block_ids: list[int]  # the request's whole block table
+    needs_sample: bool  # this step reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: Optional[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests that ended since the last step: the runner drops their state (RNGs).
+    finished_request_ids: set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ---- queue management ----------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
+        """End a request (any state): free its blocks and forget it."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        num_preempted = 0
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest first; never one scheduled before i
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._make_scheduled(request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admit waiting requests, unless memory just ran out.
+        while (self.waiting and budget > 0 and not num_preempted
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._make_scheduled(request, num_new))
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled=scheduled,
+                               num_scheduled_tokens=self.max_num_batched_tokens - budget,
+                               finished_request_ids=finished, num_preempted=num_preempted)
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks; it goes back to the front of the queue."""
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=self.block_manager.block_ids(request.request_id),
+            needs_sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_id=request.eos_token_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )

@@ -1,0 +1,1 @@
+"""Tandem frontend: tokenization, the OpenAI-compatible HTTP API, offline LLM."""

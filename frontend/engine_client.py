@@ -1,0 +1,34 @@
+"""EngineClient: the one interface between frontend-side processing and an engine.
+
+Two implementations: ``backend.engine.AsyncLLMEngine`` (in process, used by the
+offline ``LLM``) and ``GrpcEngineClient`` (a backend over gRPC, used by the HTTP
+server). Both speak token IDs only and stream ``EngineOutput`` deltas.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol, runtime_checkable
+
+from backend.request import EngineLoad, EngineOutput, ModelInfo, SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        """Stream one request's deltas until every sequence of it has finished.
+
+        Raises ``InvalidRequestError`` (before the first delta) for bad input.
+        Closing the iterator early (or cancelling its task) aborts the request.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; unknown IDs are ignored."""
+        ...
+
+    async def model_info(self) -> ModelInfo:
+        ...
+
+    async def get_load(self) -> EngineLoad:
+        ...

@@ -1,0 +1,189 @@
+"""Plain-torch twin of every kernel: the test oracle and the CPU path.
+
+KV-cache layout (one tensor per layer for K, one for V)::
+
+    cache[num_blocks, block_size, num_kv_heads, head_dim]
+    token p of a request -> block block_table[p // block_size], row p % block_size
+    slot = block_id * block_size + row   (cache.view(-1, num_kv_heads, head_dim)[slot])
+
+Attention is "varlen with paged KV": request i owns query rows
+``query_start_loc[i]:query_start_loc[i+1]`` (its newest ``query_len`` tokens)
+and attends causally to its first ``seq_len`` cached tokens, the newest
+included. Single-token queries (decode) run together as batched matmuls; longer
+ones (prefill chunks) run one request at a time through SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+# ---- norms ------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [num_tokens, hidden]. Normalizes in fp32, casts back, then scales (HF's order)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); both [num_tokens, hidden]."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+# ---- rotary embedding ---------------------------------------------------------------
+
+def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0
+                   ) -> torch.Tensor:
+    """The cache both rotary paths read: [max_positions, rotary_dim] = cat(cos, sin), fp32."""
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())  # [max_positions, rotary_dim / 2]
+    return torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], dim=-1)
+
+
+def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style rotation (rotate halves) of the first rotary_dim dims of every head.
+
+    positions: [num_tokens]; query: [num_tokens, num_heads * head_dim];
+    key: [num_tokens, num_kv_heads * head_dim]; cos_sin_cache: [max_pos, rotary_dim].
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions)  # [num_tokens, rotary_dim]
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [num_tokens, rotary_dim / 2] each
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = x.view(num_tokens, -1, head_dim)
+        rot_dim = cos.shape[-1] * 2
+        x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+        x1, x2 = x_rot.float().chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if x_pass.shape[-1]:
+            out = torch.cat([out, x_pass], dim=-1)
+        return out.reshape(num_tokens, -1)
+
+    return rotate(query), rotate(key)
+
+
+# ---- KV cache ---------------------------------------------------------------------
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value: [num_tokens, num_kv_heads, head_dim] -> the slots in slot_mapping [num_tokens]."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+# ---- attention --------------------------------------------------------------------
+
+@dataclass
+class AttentionPlan:
+    """Per-step index work shared by every layer (built once by ``plan_attention``).
+
+    decode_*: the requests with one query token, batched together.
+    prefills: (request index, query start, query len, seq len) of the others.
+    """
+
+    decode_rows: Optional[torch.Tensor]  # [num_decodes] query rows, None when all rows decode
+    decode_out_rows: Optional[torch.Tensor]
+    decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks]
+    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size] additive
+    prefills: list[tuple[int, int, int, int]]
+    prefill_block_tables: list[torch.Tensor]  # per prefill: [num_blocks_needed]
+    num_decodes: int
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int],
+                   block_size: int, dtype: torch.dtype) -> AttentionPlan:
+    """block_tables: [num_reqs, max_blocks] (padding may be any valid block ID)."""
+    decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    plan = AttentionPlan(None, None, None, None, [], [], len(decode_idx))
+    if decode_idx:
+        all_decode = len(decode_idx) == len(query_lens)
+        max_len = max(seq_lens[i] for i in decode_idx)
+        num_blocks = -(-max_len // block_size)
+        if all_decode:
+            tables = block_tables[:, :num_blocks]
+            lens = torch.tensor(seq_lens, dtype=torch.long)
+        else:
+            idx = torch.tensor(decode_idx, dtype=torch.long)
+            rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long)
+            plan.decode_rows = rows
+            plan.decode_out_rows = rows
+            tables = block_tables.index_select(0, idx)[:, :num_blocks]
+            lens = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.long)
+        plan.decode_block_tables = tables.contiguous()
+        span = torch.arange(num_blocks * block_size)
+        invalid = span.unsqueeze(0) >= lens.unsqueeze(1)  # [num_decodes, span]
+        mask = torch.zeros(invalid.shape, dtype=torch.float32).masked_fill_(invalid, float("-inf"))
+        plan.decode_mask = mask.view(len(decode_idx), 1, 1, -1)
+    for i, q in enumerate(query_lens):
+        if q != 1:
+            plan.prefills.append((i, starts[i], q, seq_lens[i]))
+            plan.prefill_block_tables.append(block_tables[i, :-(-seq_lens[i] // block_size)])
+    return plan
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[num_blocks, block_size, kvh, d], block_ids[...] -> [..., n * block_size, kvh, d]."""
+    gathered = cache.index_select(0, block_ids.reshape(-1))
+    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[-2:])
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+                    scale: float) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim]; key/value: this step's
+    [num_tokens, num_kv_heads, head_dim], already written to the caches.
+    Returns [num_tokens, num_heads, head_dim] in query's dtype."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+
+    if plan.num_decodes:
+        q = query if plan.decode_rows is None else query.index_select(0, plan.decode_rows)
+        n = q.shape[0]
+        k = _gather(k_cache, plan.decode_block_tables)  # [n, span, kvh, d]
+        v = _gather(v_cache, plan.decode_block_tables)
+        q = q.view(n, num_kv_heads, group, head_dim)  # [n, kvh, group, d]
+        scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [n, kvh, group, span]
+        scores += plan.decode_mask
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        o = torch.matmul(probs, v.transpose(1, 2))  # [n, kvh, group, d]
+        o = o.reshape(n, num_heads, head_dim)
+        if plan.decode_out_rows is None:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, plan.decode_out_rows, o)
+
+    for (_, start, q_len, seq_len), table in zip(plan.prefills, plan.prefill_block_tables):
+        q = query[start:start + q_len].transpose(0, 1)  # [num_heads, q_len, d]
+        if seq_len == q_len:  # nothing cached before this chunk: use this step's K/V
+            k = key[start:start + q_len]
+            v = value[start:start + q_len]
+            mask, causal = None, True
+        else:
+            k = _gather(k_cache, table)[:seq_len]  # [seq_len, kvh, d]
+            v = _gather(v_cache, table)[:seq_len]
+            # Query row r sits at position seq_len - q_len + r and sees keys <= that.
+            rows = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+            mask, causal = torch.arange(seq_len).unsqueeze(0) <= rows, False
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)
+        out[start:start + q_len] = o.transpose(0, 1)
+    return out
