@@ -1,0 +1,1 @@
+"""Tandem's protobuf contracts and their generated Python stubs (see protos/README.md)."""

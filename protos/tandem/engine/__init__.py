@@ -1,0 +1,1 @@
+"""Protobuf packages under tandem.engine.*."""
