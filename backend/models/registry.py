@@ -16,6 +16,10 @@ _MODELS = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
 }
 
+# Configs without ``architectures`` (e.g. converted from GGUF by older versions): by model_type.
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "opt": "OPTForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
@@ -24,6 +28,8 @@ def supported_architectures() -> list[str]:
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """The class for the first architecture of the config that we support."""
     names = list(getattr(hf_config, "architectures", None) or [])
+    if not names and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
+        names = [_BY_MODEL_TYPE[hf_config.model_type]]
     for name in names:
         if name in _MODELS:
             module, cls = _MODELS[name]

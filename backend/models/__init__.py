@@ -1,0 +1,1 @@
+"""Model code: checkpoint loading (loader.py), the default model, and the model implementations."""

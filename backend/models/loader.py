@@ -1,0 +1,295 @@
+"""Finding a checkpoint and reading it: ``model=`` -> a local Hugging Face-format directory -> tensors.
+
+``resolve_model`` accepts what vLLM's ``model=`` accepts, and a GGUF file:
+
+- ``None``: the default model (see default_model.py), fetched and converted once;
+- an existing directory: used as is (it must hold config.json);
+- a ``.gguf`` file: dequantized once into a plain fp32 directory under the cache;
+- ``org/name``: a Hugging Face Hub repo, from the local HF cache first, else downloaded.
+
+Every conversion is built in a scratch directory next to its target and renamed into place, so a
+complete target is the only thing other processes can ever see, and racing processes are safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+from backend.errors import ModelNotFoundError
+
+if TYPE_CHECKING:  # torch and transformers load only when a model does
+    import torch
+    from transformers import PretrainedConfig
+
+HOW_TO_POINT_AT_A_CHECKPOINT = (
+    "Pass model= a local Hugging Face model directory (config.json, *.safetensors weights, "
+    "tokenizer files), a .gguf file, or leave model unset for the default model "
+    "SmolLM2-135M-Instruct."
+)
+
+# Everything an engine needs from a hub repo except the weights, whose format is chosen separately.
+HUB_NON_WEIGHT_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+SAFETENSORS_PATTERN = "*.safetensors"
+PYTORCH_BIN_PATTERN = "pytorch_model*.bin"
+
+# A converted directory is complete once its weights exist (they are written before the rename).
+CONVERTED_MARKER = "model.safetensors"
+
+
+def resolve_model(model: Optional[str], cache_dir: Path, revision: Optional[str] = None) -> Path:
+    """Return a local Hugging Face-format directory (config.json, weights, tokenizer files incl.
+    chat template) for ``model``. Raises ``ModelNotFoundError`` naming what is missing."""
+    cache_dir = Path(cache_dir).expanduser()
+    if model is None:
+        from backend.models.default_model import default_model_dir
+
+        return default_model_dir(cache_dir)
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return checked_model_dir(path.resolve())
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf_once(path.resolve(), _gguf_target(path.resolve(), cache_dir))
+    if path.exists():
+        raise ModelNotFoundError(
+            f"model={model!r} is a file but neither a model directory nor a .gguf file. "
+            f"{HOW_TO_POINT_AT_A_CHECKPOINT}")
+    if _looks_like_a_path(model):
+        what = "file" if path.suffix.lower() == ".gguf" else "directory"
+        raise ModelNotFoundError(
+            f"model={model!r}: no such {what} ({path.absolute()}). {HOW_TO_POINT_AT_A_CHECKPOINT}")
+    return _from_hub(model, revision)
+
+
+def checked_model_dir(path: Path) -> Path:
+    """``path`` if it is a Hugging Face model directory, else ``ModelNotFoundError``."""
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{path} has no config.json, so it is not a Hugging Face model directory. "
+            f"{HOW_TO_POINT_AT_A_CHECKPOINT}")
+    return path
+
+
+def load_hf_config(model_path: Path) -> PretrainedConfig:
+    """The checkpoint's ``transformers.PretrainedConfig`` (from its config.json)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_path))
+    except (OSError, ValueError, KeyError) as error:
+        # OSError: unreadable file; ValueError/KeyError: malformed JSON or an unknown model_type.
+        raise ModelNotFoundError(
+            f"Could not read the model config in {model_path}: {error}") from error
+
+
+def weight_files(model_path: Path) -> list[Path]:
+    """The checkpoint's weight files in load order: *.safetensors, else pytorch_model*.bin.
+
+    When an index file exists, only the files it names count: some repos also ship the same
+    weights in another layout (e.g. consolidated.safetensors), which must not be loaded twice.
+    """
+    for pattern, index_name in ((SAFETENSORS_PATTERN, "model.safetensors.index.json"),
+                                (PYTORCH_BIN_PATTERN, "pytorch_model.bin.index.json")):
+        index = model_path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [model_path / name for name in sorted(set(weight_map.values()))]
+        files = sorted(model_path.glob(pattern))
+        if files:
+            return files
+    return []
+
+
+def iter_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint by its checkpoint name, one file in memory at a time."""
+    files = weight_files(model_path)
+    if not files:
+        raise ModelNotFoundError(
+            f"{model_path} holds no weights: expected *.safetensors or pytorch_model*.bin files.")
+    if files[0].suffix == ".safetensors":
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+    else:
+        import torch
+
+        for file in files:
+            # mmap: tensors are paged in as the model copies them, not all read up front.
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+
+
+def convert_gguf_once(gguf_file: Path, target: Path) -> Path:
+    """``target``, a Hugging Face directory converted from ``gguf_file`` unless already there."""
+    return build_once(target, lambda scratch: convert_gguf(gguf_file, scratch))
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Make ``target`` with ``build(scratch_dir)`` unless it is already complete.
+
+    Safe when processes race: each builds its own scratch directory next to the target and
+    renames it into place; whoever comes second finds the target taken and drops its copy.
+    """
+    if is_converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    try:
+        build(scratch)
+        scratch.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any download
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            # rename refuses a non-empty target: another process finished first.
+            if not is_converted(target):
+                raise ModelNotFoundError(
+                    f"{target} exists but is not a complete converted model; delete it and retry.")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # gone already after a successful rename
+    return target
+
+
+def is_converted(target: Path) -> bool:
+    return (target / CONVERTED_MARKER).is_file()
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_file`` into ``out_dir`` as a plain fp32 Hugging Face directory: weights
+    (model.safetensors), config.json, generation_config.json and the tokenizer with its chat
+    template. Raises ``ModelNotFoundError`` when transformers cannot read the file."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    announce(f"Converting {gguf_file.name} to a Hugging Face directory (once, ~20 s for a small "
+             "model) ...")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except Exception as error:  # the GGUF reader fails in many ways; all mean "cannot use this file"
+        raise ModelNotFoundError(
+            f"Could not convert {gguf_file}: transformers cannot load it as a causal LM "
+            f"({type(error).__name__}: {error}).") from error
+
+    config = model.config
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        # lm_head shares the embedding's storage, which safetensors refuses to save twice.
+        state.pop("lm_head.weight", None)
+    save_file({name: tensor.detach().contiguous() for name, tensor in state.items()},
+              str(out_dir / CONVERTED_MARKER), metadata={"format": "pt"})
+
+    # save_pretrained refuses a GGUF-loaded model, and the result is no longer quantized.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    # The GGUF tokenizer knows no length limit; the model's is the one that holds.
+    max_length = getattr(config, "max_position_embeddings", None)
+    if max_length:
+        tokenizer.model_max_length = max_length
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _gguf_target(gguf_file: Path, cache_dir: Path) -> Path:
+    # The key changes when the file is replaced or edited, so a stale conversion is never reused.
+    stat = gguf_file.stat()
+    key = f"{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_dir / "gguf" / f"{gguf_file.stem}-{digest}"
+
+
+def announce(message: str) -> None:
+    """A progress line for the person waiting (long one-time steps only)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- Hugging Face Hub ----------------------------------------------------------------------------
+
+
+def _looks_like_a_path(model: str) -> bool:
+    # A hub repo id is "name" or "org/name"; anything else can only have meant a local path.
+    return (model.startswith(("/", ".", "~")) or model.endswith("/")
+            or model.count("/") > 1 or "\\" in model or model.lower().endswith(".gguf"))
+
+
+def _from_hub(repo_id: str, revision: Optional[str]) -> Path:
+    """The repo's snapshot directory: from the local HF cache, else downloaded (unless offline)."""
+    from huggingface_hub.errors import HFValidationError
+
+    cache_dir = _hf_hub_cache()
+    try:
+        return _hub_snapshot(repo_id, revision, cache_dir, local_files_only=True)
+    except HFValidationError as error:
+        raise ModelNotFoundError(
+            f"model={repo_id!r} is neither an existing path nor a valid Hugging Face repo id "
+            f"({error}). {HOW_TO_POINT_AT_A_CHECKPOINT}") from error
+    except (OSError, ValueError) as error:  # not (fully) in the local cache
+        cache_miss = error
+    if _hub_offline():
+        raise ModelNotFoundError(
+            f"model={repo_id!r} is not in the local Hugging Face cache ({cache_dir}) and "
+            f"HF_HUB_OFFLINE is set, so it cannot be downloaded. {HOW_TO_POINT_AT_A_CHECKPOINT}"
+        ) from cache_miss
+    try:
+        return _hub_snapshot(repo_id, revision, cache_dir, local_files_only=False)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelNotFoundError(
+            f"model={repo_id!r} is not in the local Hugging Face cache ({cache_dir}) and could "
+            f"not be downloaded from the Hub ({reason}). {HOW_TO_POINT_AT_A_CHECKPOINT}"
+        ) from error
+
+
+def _hub_snapshot(repo_id: str, revision: Optional[str], cache_dir: Path,
+                  local_files_only: bool) -> Path:
+    """A snapshot with config and weights: safetensors when the repo has them, else .bin files.
+    Raises ``ModelNotFoundError`` (a ValueError, so the caller counts it as a cache miss) when
+    the snapshot holds no weights."""
+    from huggingface_hub import snapshot_download
+
+    def fetch(weights_pattern: str) -> Path:
+        return Path(snapshot_download(
+            repo_id, revision=revision, cache_dir=str(cache_dir),
+            local_files_only=local_files_only,
+            allow_patterns=HUB_NON_WEIGHT_PATTERNS + [weights_pattern]))
+
+    path = fetch(SAFETENSORS_PATTERN)
+    if not any(path.glob(SAFETENSORS_PATTERN)):
+        path = fetch(PYTORCH_BIN_PATTERN)  # older repos ship only pytorch_model*.bin
+    if not weight_files(path):
+        # e.g. a cache holding only the config.json some earlier tool fetched.
+        raise ModelNotFoundError(f"The snapshot of {repo_id!r} in {path} holds no weights.")
+    return checked_model_dir(path)
+
+
+def _hf_hub_cache() -> Path:
+    # Read at call time: huggingface_hub fixes its own copy of these when first imported.
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}

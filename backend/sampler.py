@@ -1,0 +1,307 @@
+"""Pick the next token of every sequence from its logits (vLLM's semantics).
+
+Order per step: raw logprobs → min_tokens masking → penalties → greedy argmax
+or temperature → top-k → top-p → min-p → exponential-race sampling.
+Logprobs always describe the model's raw distribution, before any of the
+sampling transforms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from backend.request import Logprob, PositionLogprobs, SamplingParams
+
+_NEG_INF = float("-inf")
+# Top-p first ranks only this many most likely tokens; wider nuclei fall back to a full sort.
+_TOP_P_PREFIX = 1024
+
+
+@dataclass
+class SamplingRow:
+    """One sequence that must produce a token this step.
+
+    The token lists are the request's own lists, read but never modified.
+    ``generator`` is the request's RNG (the runner creates it from
+    ``params.seed`` on the logits' device and keeps it across steps).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: Optional[int]
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    @property
+    def below_min_tokens(self) -> bool:
+        return len(self.output_token_ids) < self.params.min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[Optional[PositionLogprobs]]  # per row; None unless params.logprobs is set
+
+
+class Sampler:
+    """Stateless: per-request state (tokens, RNG) comes in with the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [num_rows, vocab], any float dtype; all math runs in float32."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}.")
+        num_rows = len(rows)
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        min_tokens_rows = [i for i, row in enumerate(rows) if row.below_min_tokens]
+        penalty_rows = [i for i, row in enumerate(rows) if row.has_penalties]
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+
+        if not (logprob_rows or min_tokens_rows or penalty_rows or random_rows):
+            # Hot path: argmax is the same in any dtype, so skip the float32 copy.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+
+        device = logits.device
+        raw_logprobs = None
+        if logprob_rows:
+            index = torch.tensor(logprob_rows, device=device)
+            raw_logprobs = logits[index].float().log_softmax(dim=-1)  # [num_logprob_rows, vocab]
+
+        work = logits.to(torch.float32, copy=True)  # [num_rows, vocab]; the caller's logits stay intact
+        if min_tokens_rows:
+            _mask_stop_tokens(work, rows, min_tokens_rows)
+        if penalty_rows:
+            _apply_penalties(work, rows, penalty_rows)
+
+        if len(random_rows) == num_rows:
+            token_ids = _sample_random(work, rows)  # [num_rows]; filters our own copy in place
+        else:
+            token_ids = work.argmax(dim=-1)  # [num_rows]; random rows overwritten below
+            if random_rows:
+                index = torch.tensor(random_rows, device=device)
+                token_ids[index] = _sample_random(work[index], [rows[i] for i in random_rows])
+
+        logprobs: list[Optional[PositionLogprobs]] = [None] * num_rows
+        if raw_logprobs is not None:
+            chosen = token_ids[torch.tensor(logprob_rows, device=device)]
+            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs for i in logprob_rows])
+            for i, position in zip(logprob_rows, positions):
+                logprobs[i] = position
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: list[int], num_top: int
+) -> list[PositionLogprobs]:
+    """Logprobs of prompt tokens under the raw model distribution.
+
+    logits: [num_positions, vocab], row i predicting ``target_token_ids[i]``.
+    Returns one dict per position: the target token first, then the top ``num_top``.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_token_ids):
+        raise ValueError(
+            f"logits must be [num_positions={len(target_token_ids)}, vocab], got shape {tuple(logits.shape)}."
+        )
+    if num_top < 0:
+        raise ValueError(f"num_top must be non-negative, got {num_top}.")
+    if not target_token_ids:
+        return []
+    logprobs = logits.float().log_softmax(dim=-1)  # [num_positions, vocab]
+    targets = torch.tensor(target_token_ids, device=logits.device)
+    return _position_logprobs(logprobs, targets, [num_top] * len(target_token_ids))
+
+
+def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int]) -> None:
+    """min_tokens: rows still short of it cannot pick EOS or a stop token (in place).
+
+    Like vLLM, EOS is masked even with ignore_eos. IDs outside the vocabulary
+    can never be sampled, so they are skipped rather than indexed.
+    """
+    vocab_size = logits.shape[1]
+    mask_rows: list[int] = []
+    mask_tokens: list[int] = []
+    for i in row_indices:
+        row = rows[i]
+        stop_ids = set(row.params.stop_token_ids)
+        if row.eos_token_id is not None:
+            stop_ids.add(row.eos_token_id)
+        for token_id in stop_ids:
+            if token_id < vocab_size:
+                mask_rows.append(i)
+                mask_tokens.append(token_id)
+    if mask_rows:
+        device = logits.device
+        logits[torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device)] = _NEG_INF
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int]) -> None:
+    """Repetition (prompt + output), frequency and presence (output) penalties, in place."""
+    device = logits.device
+    num_rows, vocab_size = len(row_indices), logits.shape[1]
+    index = torch.tensor(row_indices, device=device)
+    sub = logits[index]  # [num_penalty_rows, vocab]
+
+    seen_rows: list[int] = []
+    seen_tokens: list[int] = []
+    output_rows: list[int] = []
+    output_tokens: list[int] = []
+    for j, i in enumerate(row_indices):
+        row = rows[i]
+        output = row.output_token_ids
+        if row.params.repetition_penalty != 1.0:
+            seen_rows.extend([j] * (len(row.prompt_token_ids) + len(output)))
+            seen_tokens.extend(row.prompt_token_ids)
+            seen_tokens.extend(output)
+        if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0:
+            output_rows.extend([j] * len(output))
+            output_tokens.extend(output)
+
+    if seen_rows:
+        seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+        seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_tokens, device=device)] = True
+        penalty = torch.tensor(
+            [rows[i].params.repetition_penalty for i in row_indices], dtype=torch.float32, device=device
+        ).unsqueeze(1)  # [num_penalty_rows, 1]
+        # HF/vLLM: shrink a seen token's logit towards zero (divide positive, multiply negative).
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        sub = torch.where(seen, penalized, sub)
+
+    if output_rows:
+        counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+        counts.index_put_(
+            (torch.tensor(output_rows, device=device), torch.tensor(output_tokens, device=device)),
+            torch.ones(len(output_rows), dtype=torch.float32, device=device),
+            accumulate=True,
+        )
+        frequency = torch.tensor(
+            [rows[i].params.frequency_penalty for i in row_indices], dtype=torch.float32, device=device
+        ).unsqueeze(1)  # [num_penalty_rows, 1]
+        presence = torch.tensor(
+            [rows[i].params.presence_penalty for i in row_indices], dtype=torch.float32, device=device
+        ).unsqueeze(1)  # [num_penalty_rows, 1]
+        sub = sub - frequency * counts - presence * (counts > 0).float()
+
+    logits[index] = sub
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row. logits: [n, vocab], modified."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32, device=device)
+    logits.div_(temperature.unsqueeze(1))
+
+    top_ks = [row.params.top_k if row.params.top_k < vocab_size else 0 for row in rows]  # 0: off
+    if any(top_ks):
+        _apply_top_k(logits, top_ks)
+
+    top_p_rows = [i for i, row in enumerate(rows) if row.params.top_p < 1.0]
+    if len(top_p_rows) == len(rows):
+        _apply_top_p(logits, [row.params.top_p for row in rows])
+    elif top_p_rows:
+        index = torch.tensor(top_p_rows, device=device)
+        subset = logits[index]  # [num_top_p_rows, vocab]
+        _apply_top_p(subset, [rows[i].params.top_p for i in top_p_rows])
+        logits[index] = subset
+
+    min_ps = [row.params.min_p for row in rows]
+    if any(p > 0.0 for p in min_ps):
+        # prob_i < min_p * prob_max  <=>  logit_i < logit_max + log(min_p); no softmax needed.
+        log_min_p = torch.tensor(min_ps, dtype=torch.float32, device=device).log().unsqueeze(1)  # [n, 1]
+        max_logit = logits.max(dim=-1, keepdim=True).values  # [n, 1]
+        logits.masked_fill_(logits < max_logit + log_min_p, _NEG_INF)
+
+    probs = logits.softmax(dim=-1)  # [n, vocab]
+    return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
+    """Keep the k largest logits per row (ties with the k-th kept); k = 0 keeps all. In place."""
+    device = logits.device
+    k = torch.tensor(top_ks, device=device)  # [n]
+    top_values = logits.topk(max(top_ks), dim=-1).values  # [n, max_k], descending
+    kth = top_values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [n, 1]
+    kth = torch.where(k.unsqueeze(1) > 0, kth, torch.full_like(kth, _NEG_INF))
+    logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> None:
+    """Keep per row the smallest most-likely set whose probability reaches top_p (in place).
+
+    A token survives while the mass strictly before it is below top_p, so the
+    top token always does. The nucleus usually lies among the few hundred most
+    likely tokens, so those are ranked first (topk); only rows whose nucleus
+    is wider pay for a full sort. The choice depends on the row alone, keeping
+    seeded rows independent of the batch.
+    """
+    device = logits.device
+    vocab_size = logits.shape[1]
+    top_p = torch.tensor(top_ps, dtype=torch.float32, device=device).unsqueeze(1)  # [n, 1]
+    probs = logits.softmax(dim=-1)  # [n, vocab]
+    width = min(_TOP_P_PREFIX, vocab_size)
+    prefix_probs, prefix_ids = probs.topk(width, dim=-1)  # [n, width] each, descending
+    prefix_mass = prefix_probs.cumsum(dim=-1)  # [n, width]
+    remove = torch.ones_like(logits, dtype=torch.bool).scatter_(1, prefix_ids, prefix_mass - prefix_probs >= top_p)
+
+    if width < vocab_size:
+        wide_rows = (prefix_mass[:, -1] < top_p[:, 0]).nonzero().squeeze(1)  # [num_wide]
+        if wide_rows.numel():
+            sorted_probs, sorted_ids = probs[wide_rows].sort(dim=-1, descending=True)  # [num_wide, vocab] each
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            remove[wide_rows] = torch.empty_like(sorted_ids, dtype=torch.bool).scatter_(
+                1, sorted_ids, mass_before >= top_p[wide_rows]
+            )
+    logits.masked_fill_(remove, _NEG_INF)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Exp(1) noise [n, vocab]; argmax(probs / noise) is a draw from probs.
+
+    A seeded row draws only from its own generator, so its tokens do not depend
+    on the rest of the batch; unseeded rows share the global RNG. Drawn as
+    -log(uniform): the same distribution as ``exponential_``, which is several
+    times slower on CPU.
+    """
+    noise = torch.empty_like(probs)
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if len(seeded) < len(rows):
+        noise.uniform_()
+    for i in seeded:
+        noise[i].uniform_(generator=rows[i].generator)
+    # A zero (uniform = 1 on some devices) would turn a filtered-out token's 0/0 into NaN, which argmax picks.
+    return noise.log_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _position_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int]
+) -> list[PositionLogprobs]:
+    """logprobs [n, vocab], chosen [n] → per row {chosen: Logprob, then top-k by rank}.
+
+    The chosen token's rank is 1 + the number of tokens strictly more likely; the
+    top-k get ranks 1..k. A chosen token that is also in the top-k appears once.
+    """
+    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))  # [n, 1]
+    chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
+    max_top = min(max(num_tops), logprobs.shape[1])
+    if max_top > 0:
+        top = logprobs.topk(max_top, dim=-1)  # [n, max_top] each
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+
+    result: list[PositionLogprobs] = []
+    for i, (token_id, logprob, rank) in enumerate(
+        zip(chosen.tolist(), chosen_logprobs.squeeze(1).tolist(), chosen_ranks.tolist())
+    ):
+        position: PositionLogprobs = {token_id: Logprob(logprob, rank)}
+        for top_rank in range(min(num_tops[i], max_top)):
+            top_id = top_ids[i][top_rank]
+            if top_id not in position:
+                position[top_id] = Logprob(top_values[i][top_rank], top_rank + 1)
+        result.append(position)
+    return result
