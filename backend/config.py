@@ -6,6 +6,7 @@ and for the ``tandem`` command line alike.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -171,6 +172,30 @@ class EngineConfig:
     def field_names(cls) -> list[str]:
         """The user-settable fields (the ones ``LLM(...)`` and the CLI accept)."""
         return [f.name for f in dataclasses.fields(cls) if f.repr]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+        """Add one ``--flag-name`` per field (``model`` as an optional positional)."""
+        if with_model:
+            parser.add_argument("model", nargs="?", default=None,
+                                help="HF directory, .gguf file or hub name (default: SmolLM2-135M-Instruct)")
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            if not f.repr or f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = getattr(defaults, f.name)
+            if isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            else:
+                kind = {"max_model_len": int, "num_kv_blocks": int}.get(f.name, type(default))
+                if default is None and f.name not in ("max_model_len", "num_kv_blocks"):
+                    kind = str
+                parser.add_argument(flag, type=kind, default=default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -1,0 +1,329 @@
+"""LLMEngine (one synchronous ``step()``) and AsyncLLMEngine (its asyncio background loop).
+
+A step is: the scheduler picks tokens -> the executor runs the model on every
+worker and samples -> the engine appends tokens, checks stop conditions and
+emits ``EngineOutput`` deltas; finished requests free their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Iterable, Optional
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.errors import EngineDeadError, InvalidRequestError
+from backend.executor import create_executor
+from backend.request import (EngineLoad, EngineOutput, FinishReason, ModelInfo, Request,
+                             SamplingParams)
+from backend.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default)
+
+
+def _eos_token_ids(config: EngineConfig) -> list[int]:
+    """EOS IDs from generation_config.json (which may list several), else config.json."""
+    ids = None
+    try:
+        from transformers import GenerationConfig
+
+        ids = GenerationConfig.from_pretrained(str(config.model_path)).eos_token_id
+    except (OSError, ValueError):
+        pass
+    if ids is None:
+        ids = getattr(config.hf_config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+class LLMEngine:
+    """The engine core. Not thread-safe: one caller drives ``add_request``/``step``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.resolve()
+        self.executor = create_executor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        if num_blocks * config.block_size < config.max_model_len:
+            raise InvalidRequestError(
+                f"The KV cache holds {num_blocks * config.block_size} tokens, fewer than "
+                f"max_model_len ({config.max_model_len}); raise the KV-cache budget or lower "
+                "max_model_len.", param="max_model_len")
+        self.executor.init_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_model_len,
+                                   config.enable_chunked_prefill)
+        self.vocab_size = config.hf_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(config)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.children: dict[str, list[str]] = {}  # parent request ID -> its sequences' IDs
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens", config.served_model_name,
+                    config.torch_dtype_name, num_blocks, config.block_size)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError, naming the problem, for a request we cannot serve."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"The prompt (length {len(prompt_token_ids)}) is too long: this model's maximum "
+                f"context length is {self.config.max_model_len} tokens, and at least one must be "
+                "left for output.", param="prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"Token ID {bad[0]} is out of vocabulary (size {self.vocab_size}).", param="prompt")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.",
+                                          param=name)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue a request (``params.n`` sequences). Raises InvalidRequestError for bad input."""
+        if request_id in self.children:
+            raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
+                                      param="request_id")
+        self.validate(prompt_token_ids, params)
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.children[request_id] = ids
+        for index, child_id in enumerate(ids):
+            child_params = params
+            if params.seed is not None and params.n > 1:
+                child_params = SamplingParams(**{**vars(params), "seed": params.seed + index})
+            self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,
+                                               self.eos_token_id, parent_id=request_id,
+                                               index=index, arrival_time=arrival_time))
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Stop requests (all their sequences) and free their blocks; unknown IDs are ignored."""
+        for request_id in request_ids:
+            for child_id in self.children.pop(request_id, []):
+                request = self.scheduler.requests.get(child_id)
+                if request is not None:
+                    self.scheduler.finish_request(request, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        runner_out = self.executor.execute_model(sched)
+        outputs: list[EngineOutput] = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            request = self.scheduler.requests[s.request_id]
+            request.num_computed_tokens += s.num_tokens
+            if request.num_computed_tokens <= request.num_prompt_tokens:
+                self.num_prompt_tokens_total += s.num_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            if s.request_id in runner_out.prompt_logprobs:
+                self._record_prompt_logprobs(request, *runner_out.prompt_logprobs[s.request_id])
+            if not s.needs_sample:
+                continue
+            token_id = runner_out.sampled_token_ids[s.request_id]
+            first = request.num_output_tokens == 0
+            request.append_output_token(token_id)
+            self.num_generation_tokens_total += 1
+            if first:
+                request.first_token_time = now
+            reason = self._check_stop(request, token_id)
+            logprobs = runner_out.logprobs.get(s.request_id)
+            outputs.append(EngineOutput(
+                request_id=request.parent_id, index=request.index, new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                finish_reason=reason, stop_reason=request.stop_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
+                else None))
+            if reason is not None:
+                self.scheduler.finish_request(request, reason)
+                self._forget_child(request)
+        return outputs
+
+    def _record_prompt_logprobs(self, request: Request, first_pos: int, logprobs: list) -> None:
+        """Append logprobs of prompt tokens first_pos.. (a recomputed chunk is already there)."""
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # the first prompt token has none
+        if len(request.prompt_logprobs) == first_pos:
+            request.prompt_logprobs.extend(logprobs)
+
+    def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _forget_child(self, request: Request) -> None:
+        siblings = self.children.get(request.parent_id)
+        if siblings and all(sid not in self.scheduler.requests for sid in siblings):
+            del self.children[request.parent_id]
+
+    # ---- information ------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        cfg = self.config
+        return ModelInfo(
+            model_name=cfg.served_model_name, max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
+            bos_token_id=getattr(cfg.hf_config, "bos_token_id", None),
+            pad_token_id=getattr(cfg.hf_config, "pad_token_id", None),
+            tokenizer_path=str(cfg.tokenizer or cfg.model_path))
+
+    def get_load(self) -> EngineLoad:
+        return EngineLoad(self.scheduler.num_running, self.scheduler.num_waiting,
+                          self.block_manager.usage)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class AsyncLLMEngine:
+    """The in-process ``EngineClient``: LLMEngine.step() in a background asyncio loop.
+
+    Steps run on one helper thread (torch releases the GIL), so the event loop
+    stays responsive. Adds and aborts are queued and applied between steps, on
+    that thread, so the engine core is only ever touched by it.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+        self._lock = threading.Lock()
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
+        self._pending_aborts: list[str] = []
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+        self._wakeup: Optional[asyncio.Event] = None
+        self.dead_error: Optional[BaseException] = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config))
+
+    # ---- EngineClient ----------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"The engine stopped after an error: {self.dead_error}")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
+                                      param="request_id")
+        self.engine.validate(prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        with self._lock:
+            self._pending_adds.append((request_id, list(prompt_token_ids), params, time.monotonic()))
+        self._ensure_loop()
+        remaining = params.n
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            del self._streams[request_id]
+            if remaining:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._pending_aborts.append(request_id)
+        self._ensure_loop()
+
+    async def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
+
+    async def get_load(self) -> EngineLoad:
+        return self.engine.get_load()
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop = loop
+            self._wakeup = asyncio.Event()
+            self._task = loop.create_task(self._run())
+        self._wakeup.set()
+
+    def _step(self) -> list[EngineOutput]:
+        """On the engine thread: apply queued adds/aborts, then one step."""
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        errors = []
+        for request_id, prompt, params, arrival in adds:
+            try:
+                self.engine.add_request(request_id, prompt, params, arrival)
+            except InvalidRequestError as e:
+                errors.append((request_id, e))
+        self.engine.abort_request(aborts)
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        return errors + outputs
+
+    def _has_work(self) -> bool:
+        with self._lock:
+            pending = bool(self._pending_adds or self._pending_aborts)
+        return pending or self.engine.has_unfinished_requests()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._has_work():
+                self._wakeup.clear()
+                if not self._has_work():
+                    await self._wakeup.wait()
+                continue
+            try:
+                results = await loop.run_in_executor(self._thread, self._step)
+            except Exception as e:  # the engine is broken: fail every stream, refuse new ones
+                logger.exception("Engine step failed")
+                self.dead_error = e
+                for queue in self._streams.values():
+                    queue.put_nowait(EngineDeadError(f"The engine stopped after an error: {e}"))
+                return
+            for item in results:
+                if isinstance(item, tuple):
+                    request_id, error = item
+                    queue = self._streams.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(error)
+                    continue
+                queue = self._streams.get(item.request_id)
+                if queue is not None:
+                    queue.put_nowait(item)
+
+    def shutdown(self) -> None:
+        if self._task is not None and not self._task.done() and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.shutdown(wait=True)
+        self.engine.shutdown()

@@ -1,0 +1,200 @@
+"""The model runner: weights, the KV cache, per-step input tensors, the forward pass, sampling.
+
+It executes what the scheduler decided and never changes request state: it
+reads ``SchedulerOutput`` and returns ``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import kernels
+from backend.config import EngineConfig
+from backend.models.attention import Attention, AttentionMetadata
+from backend.models.loader import iter_weights
+from backend.models.registry import get_model_class
+from backend.request import PositionLogprobs
+from backend.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from backend.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # request ID -> (first prompt position covered, logprobs of prompt tokens from there)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_rows: list[int]  # rows of the hidden states that need logits
+    sample_rows: list[tuple[ScheduledRequest, int]]  # (request, index into logits_rows)
+    prompt_rows: list[tuple[ScheduledRequest, int, int, int]]  # (req, first index, count, first position)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = getattr(torch, config.torch_dtype_name)
+        self.block_size = config.block_size
+        self.model = None
+        self.attn_layers: list[Attention] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    # ---- set-up -----------------------------------------------------------------
+
+    def load_model(self) -> None:
+        model_cls = get_model_class(self.config.hf_config)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.config.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.load_weights(iter_weights(self.config.model_path))
+        self.model = model.eval().requires_grad_(False)
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+
+    def kv_bytes_per_block(self) -> int:
+        layer = self.attn_layers[0]
+        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim
+        return per_layer * len(self.attn_layers) * torch.tensor([], dtype=self.dtype).element_size()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit the memory budget (or the configured exact count)."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.gpu_memory_utilization
+        else:
+            budget = self.config.kv_cache_memory_gb * 2 ** 30
+        num_blocks = int(budget // self.kv_bytes_per_block())
+        # More than every sequence at full length is never used.
+        max_useful = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        return max(1, min(num_blocks, max_useful))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate and bind each layer's K and V cache: [num_blocks, block_size, kvh, head_dim]."""
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.dtype, device=self.device))
+            layer.kv_cache = kv
+            self.kv_caches.append(kv)
+
+    # ---- one step -----------------------------------------------------------------
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_rows: list[int] = []
+        sample_rows: list[tuple[ScheduledRequest, int]] = []
+        prompt_rows: list[tuple[ScheduledRequest, int, int, int]] = []
+        for s in scheduled:
+            row0 = len(input_ids)
+            start, n = s.start_pos, s.num_tokens
+            end = start + n
+            input_ids.extend(s.token_ids)
+            positions.extend(range(start, end))
+            pos = start
+            while pos < end:  # slots run contiguously inside each block
+                block_end = min(end, (pos // bs + 1) * bs)
+                base = s.block_ids[pos // bs] * bs - (pos // bs) * bs
+                slots.extend(range(base + pos, base + block_end))
+                pos = block_end
+            seq_lens.append(end)
+            query_lens.append(n)
+            if s.sampling_params.prompt_logprobs is not None and start < s.num_prompt_tokens - 1:
+                # Row at position p predicts prompt token p + 1.
+                last = min(end, s.num_prompt_tokens - 1)
+                prompt_rows.append((s, len(logits_rows), last - start, start))
+                logits_rows.extend(range(row0, row0 + last - start))
+            if s.needs_sample:
+                sample_rows.append((s, len(logits_rows)))
+                logits_rows.append(row0 + n - 1)
+
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids))
+                                     for s in scheduled], dtype=torch.int64)
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=block_tables.to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=self.device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        if self.device.type == "cpu":
+            meta.plan = kernels.plan_attention(block_tables, seq_lens, query_lens, bs, self.dtype)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta=meta, logits_rows=logits_rows, sample_rows=sample_rows, prompt_rows=prompt_rows)
+
+    def _generator(self, s: ScheduledRequest) -> Optional[torch.Generator]:
+        seed = s.sampling_params.seed
+        if seed is None or s.sampling_params.greedy:
+            return None
+        gen = self.generators.get(s.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[s.request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self.generators.pop(request_id, None)
+        out = ModelRunnerOutput()
+        if not sched.scheduled:
+            return out
+        inputs = self._prepare_inputs(sched.scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
+        if not inputs.logits_rows:
+            return out
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_rows, vocab]
+
+        for s, first, count, start in inputs.prompt_rows:
+            targets = s.prompt_token_ids[start + 1:start + 1 + count]
+            out.prompt_logprobs[s.request_id] = (start + 1, compute_prompt_logprobs(
+                logits[first:first + count], targets, s.sampling_params.prompt_logprobs))
+
+        if inputs.sample_rows:
+            index = [i for _, i in inputs.sample_rows]
+            if index != list(range(len(inputs.logits_rows))):
+                logits = logits.index_select(0, torch.tensor(index, device=self.device))
+            rows = [SamplingRow(params=s.sampling_params, prompt_token_ids=s.prompt_token_ids,
+                                output_token_ids=s.output_token_ids, eos_token_id=s.eos_token_id,
+                                generator=self._generator(s))
+                    for s, _ in inputs.sample_rows]
+            sampled = self.sampler(logits, rows)
+            for (s, _), token_id, logprobs in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
+                out.sampled_token_ids[s.request_id] = token_id
+                if logprobs is not None:
+                    out.logprobs[s.request_id] = logprobs
+        return out
