@@ -1,10 +1,14 @@
 """Plain-torch twin of every kernel: the test oracle and the CPU path.
 
-KV-cache layout (one tensor per layer for K, one for V)::
+KV-cache layout (one tensor per layer for K, one for V), head-major::
 
-    cache[num_blocks, block_size, num_kv_heads, head_dim]
+    cache[num_kv_heads, num_blocks, block_size, head_dim]
     token p of a request -> block block_table[p // block_size], row p % block_size
-    slot = block_id * block_size + row   (cache.view(-1, num_kv_heads, head_dim)[slot])
+    slot = block_id * block_size + row   (cache.view(num_kv_heads, -1, head_dim)[:, slot])
+
+Head-major because gathering a batch's blocks along dim 1 then yields
+[num_kv_heads, num_reqs, span, head_dim] contiguous: exactly the batched-matmul
+layout, with no transposing copy of the gathered keys and values.
 
 Attention is "varlen with paged KV": request i owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]`` (its newest ``query_len`` tokens)
@@ -79,9 +83,9 @@ def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] -> the slots in slot_mapping [num_tokens]."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
 
 
 # ---- attention --------------------------------------------------------------------
@@ -97,7 +101,7 @@ class AttentionPlan:
     decode_rows: Optional[torch.Tensor]  # [num_decodes] query rows, None when all rows decode
     decode_out_rows: Optional[torch.Tensor]
     decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks]
-    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size] additive
+    decode_mask: Optional[torch.Tensor]  # [1, num_decodes, 1, max_blocks * block_size] additive
     prefills: list[tuple[int, int, int, int]]
     prefill_block_tables: list[torch.Tensor]  # per prefill: [num_blocks_needed]
     num_decodes: int
@@ -129,7 +133,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
         span = torch.arange(num_blocks * block_size)
         invalid = span.unsqueeze(0) >= lens.unsqueeze(1)  # [num_decodes, span]
         mask = torch.zeros(invalid.shape, dtype=torch.float32).masked_fill_(invalid, float("-inf"))
-        plan.decode_mask = mask.view(len(decode_idx), 1, 1, -1)
+        plan.decode_mask = mask.view(1, len(decode_idx), 1, -1)
     for i, q in enumerate(query_lens):
         if q != 1:
             plan.prefills.append((i, starts[i], q, seq_lens[i]))
@@ -138,9 +142,9 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache[num_blocks, block_size, kvh, d], block_ids[...] -> [..., n * block_size, kvh, d]."""
-    gathered = cache.index_select(0, block_ids.reshape(-1))
-    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[-2:])
+    """cache[kvh, num_blocks, block_size, d], block_ids[..., nb] -> [kvh, ..., nb * block_size, d]."""
+    gathered = cache.index_select(1, block_ids.reshape(-1))
+    return gathered.view(cache.shape[0], *block_ids.shape[:-1], -1, cache.shape[-1])
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -150,21 +154,23 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     [num_tokens, num_kv_heads, head_dim], already written to the caches.
     Returns [num_tokens, num_heads, head_dim] in query's dtype."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[-2]
+    num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
 
     if plan.num_decodes:
         q = query if plan.decode_rows is None else query.index_select(0, plan.decode_rows)
         n = q.shape[0]
-        k = _gather(k_cache, plan.decode_block_tables)  # [n, span, kvh, d]
+        k = _gather(k_cache, plan.decode_block_tables)  # [kvh, n, span, d]
         v = _gather(v_cache, plan.decode_block_tables)
-        q = q.view(n, num_kv_heads, group, head_dim)  # [n, kvh, group, d]
-        scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [n, kvh, group, span]
-        scores += plan.decode_mask
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        o = torch.matmul(probs, v.transpose(1, 2))  # [n, kvh, group, d]
-        o = o.reshape(n, num_heads, head_dim)
+        span = k.shape[2]
+        # [n, kvh, group, d] -> [kvh * n, group, d], matching the gathered keys' batch order
+        q = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
+        scores = torch.bmm(q, k.view(-1, span, head_dim).transpose(1, 2)).float()  # [kvh*n, group, span]
+        scores = scores.view(num_kv_heads, n, group, span).mul_(scale).add_(plan.decode_mask)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(-1, group, span)
+        o = torch.bmm(probs, v.view(-1, span, head_dim))  # [kvh * n, group, d]
+        o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
         if plan.decode_out_rows is None:
             out.copy_(o)
         else:
@@ -173,17 +179,17 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for (_, start, q_len, seq_len), table in zip(plan.prefills, plan.prefill_block_tables):
         q = query[start:start + q_len].transpose(0, 1)  # [num_heads, q_len, d]
         if seq_len == q_len:  # nothing cached before this chunk: use this step's K/V
-            k = key[start:start + q_len]
-            v = value[start:start + q_len]
+            k = key[start:start + q_len].transpose(0, 1)  # [kvh, q_len, d]
+            v = value[start:start + q_len].transpose(0, 1)
             mask, causal = None, True
         else:
-            k = _gather(k_cache, table)[:seq_len]  # [seq_len, kvh, d]
-            v = _gather(v_cache, table)[:seq_len]
+            k = _gather(k_cache, table)[:, :seq_len]  # [kvh, seq_len, d]
+            v = _gather(v_cache, table)[:, :seq_len]
             # Query row r sits at position seq_len - q_len + r and sees keys <= that.
             rows = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
             mask, causal = torch.arange(seq_len).unsqueeze(0) <= rows, False
         o = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            q, k.to(q.dtype), v.to(q.dtype),
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)
         out[start:start + q_len] = o.transpose(0, 1)
     return out
