@@ -1,0 +1,115 @@
+"""Offline throughput: Tandem's ``LLM.generate`` against HF transformers ``generate``, in one run.
+
+Same model, same prompts (~128 tokens each), the same number of forced output
+tokens (greedy, EOS ignored). HF runs at each batch size and dtype given and
+its best counts. Prints output tokens/s of both and the ratio.
+
+    python bench/offline_throughput.py                      # default model, 64 x 128
+    python bench/offline_throughput.py --hf-batch-sizes 32,64 --hf-dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+SENTENCES = [
+    "The history of the printing press begins in the fifteenth century in Europe.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+    "A distributed system is one in which the failure of a computer you did not know existed can render your own computer unusable.",
+    "The Pacific Ocean is the largest and deepest of the world's five oceanic divisions.",
+    "In mathematics, a prime number is a natural number greater than one with no divisors other than one and itself.",
+    "Rivers carve valleys over millions of years, carrying sediment from mountains to the sea.",
+    "The recipe calls for flour, butter, sugar, two eggs and a pinch of salt.",
+    "Jazz emerged in New Orleans in the early twentieth century, blending blues and ragtime.",
+]
+
+
+def make_prompts(tokenizer, num_prompts: int, prompt_len: int) -> list[list[int]]:
+    """num_prompts distinct token-ID prompts of exactly prompt_len tokens."""
+    prompts = []
+    for i in range(num_prompts):
+        text = f"Document {i}. " + " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(12))
+        ids = tokenizer.encode(text)
+        assert len(ids) >= prompt_len, "make the prompt text longer"
+        prompts.append(ids[:prompt_len])
+    return prompts
+
+
+def bench_tandem(model, prompts, output_len: int, **engine_kwargs) -> dict:
+    from frontend import LLM, SamplingParams
+
+    llm = LLM(model=model, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_tokens == len(prompts) * output_len
+    llm.shutdown()
+    return {"name": "tandem", "dtype": llm.engine.engine.config.torch_dtype_name,
+            "seconds": elapsed, "tokens": num_tokens, "tok_per_s": num_tokens / elapsed}
+
+
+def bench_hf(model_dir, prompts, output_len: int, batch_size: int, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    num_tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i:i + batch_size]  # equal lengths: no padding needed
+            ids = torch.tensor(batch)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=output_len, min_new_tokens=output_len,
+                                 pad_token_id=model.config.eos_token_id)
+            num_tokens += (out.shape[1] - ids.shape[1]) * len(batch)
+    elapsed = time.perf_counter() - start
+    return {"name": f"hf-bs{batch_size}", "dtype": dtype, "seconds": elapsed, "tokens": num_tokens,
+            "tok_per_s": num_tokens / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-sizes", default="32,64")
+    parser.add_argument("--hf-dtypes", default="bfloat16,float32")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--dtype", default="auto", help="Tandem's dtype")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    from backend.config import EngineConfig
+    from frontend.tokenizer import load_tokenizer
+
+    config = EngineConfig(model=args.model).resolve()
+    prompts = make_prompts(load_tokenizer(str(config.model_path)), args.num_prompts, args.prompt_len)
+
+    results = [bench_tandem(args.model, prompts, args.output_len, dtype=args.dtype)]
+    if not args.skip_hf:
+        for dtype in args.hf_dtypes.split(","):
+            for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
+                results.append(bench_hf(config.model_path, prompts, args.output_len, bs, dtype))
+
+    print(f"\n{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} output tokens each")
+    print(f"{'engine':<12} {'dtype':<10} {'seconds':>8} {'output tok/s':>13}")
+    for r in results:
+        print(f"{r['name']:<12} {r['dtype']:<10} {r['seconds']:>8.1f} {r['tok_per_s']:>13.1f}")
+    if len(results) > 1:
+        best_hf = max(results[1:], key=lambda r: r["tok_per_s"])
+        ratio = results[0]["tok_per_s"] / best_hf["tok_per_s"]
+        print(f"\nTandem / best HF ({best_hf['name']}, {best_hf['dtype']}): {ratio:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
