@@ -68,6 +68,7 @@ class EngineConfig:
 
     # Filled in by resolve().
     model_path: Optional[Path] = field(default=None, repr=False)
+    tokenizer_path: Optional[Path] = field(default=None, repr=False)
     hf_config: Any = field(default=None, repr=False)
     torch_dtype_name: Optional[str] = field(default=None, repr=False)
     device_type: Optional[str] = field(default=None, repr=False)
@@ -117,9 +118,10 @@ class EngineConfig:
         """Find the checkpoint and fill in what depends on it. Idempotent."""
         if self.model_path is not None:
             return self
-        from backend.models.loader import load_hf_config, resolve_model
+        from backend.models.loader import load_hf_config, resolve_model, resolve_tokenizer
 
         self.model_path = resolve_model(self.model, cache_dir=self.cache_dir, revision=self.revision)
+        self.tokenizer_path = resolve_tokenizer(self.tokenizer, self.model_path, self.cache_dir)
         if self.served_model_name is None:
             self.served_model_name = self.model or "SmolLM2-135M-Instruct"
         self.hf_config = load_hf_config(self.model_path)

@@ -348,3 +348,37 @@ def test_default_model_is_fetched_converted_and_reused(monkeypatch):
     monkeypatch.setattr(default_model, "download_default_gguf", offline)
     monkeypatch.setattr(default_model, "convert_gguf", offline)
     assert resolve_model(None, cache_dir) == path
+
+
+def test_slow_only_tokenizer_is_converted_once_to_tokenizer_json(tmp_path, monkeypatch):
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from backend.models import loader
+    from conftest import build_tokenizer
+
+    fast_dir = tmp_path / "fast"
+    build_tokenizer(fast_dir)
+    slow_dir = tmp_path / "slow"  # what OPT ships: vocab.json + merges.txt, no tokenizer.json
+    slow_dir.mkdir()
+    Tokenizer.from_file(str(fast_dir / "tokenizer.json")).model.save(str(slow_dir))
+    (slow_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    assert loader.resolve_tokenizer(None, fast_dir, tmp_path / "cache") == fast_dir
+
+    converted = loader.resolve_tokenizer(None, slow_dir, tmp_path / "cache")
+    assert converted.parent == tmp_path / "cache" / "tokenizers"
+    original = PreTrainedTokenizerFast.from_pretrained(str(fast_dir))
+    rebuilt = PreTrainedTokenizerFast.from_pretrained(str(converted))
+    text = "The capital of France is Paris."
+    assert rebuilt.encode(text, add_special_tokens=False) == original.encode(text, add_special_tokens=False)
+
+    def no_second_conversion(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", no_second_conversion)
+    assert loader.resolve_tokenizer(None, slow_dir, tmp_path / "cache") == converted
+
+    with pytest.raises(ModelNotFoundError, match="no tokenizer files"):
+        loader.resolve_tokenizer(None, tmp_path / "cache", tmp_path / "cache2")

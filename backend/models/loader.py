@@ -138,13 +138,13 @@ def convert_gguf_once(gguf_file: Path, target: Path) -> Path:
     return build_once(target, lambda scratch: convert_gguf(gguf_file, scratch))
 
 
-def build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """Make ``target`` with ``build(scratch_dir)`` unless it is already complete.
+def build_once(target: Path, build: Callable[[Path], None], marker: str = CONVERTED_MARKER) -> Path:
+    """Make ``target`` with ``build(scratch_dir)`` unless it is already complete (holds ``marker``).
 
     Safe when processes race: each builds its own scratch directory next to the target and
     renames it into place; whoever comes second finds the target taken and drops its copy.
     """
-    if is_converted(target):
+    if is_converted(target, marker):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
@@ -155,7 +155,7 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
             os.rename(scratch, target)
         except OSError:
             # rename refuses a non-empty target: another process finished first.
-            if not is_converted(target):
+            if not is_converted(target, marker):
                 raise ModelNotFoundError(
                     f"{target} exists but is not a complete converted model; delete it and retry.")
     finally:
@@ -163,8 +163,42 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
-def is_converted(target: Path) -> bool:
-    return (target / CONVERTED_MARKER).is_file()
+def is_converted(target: Path, marker: str = CONVERTED_MARKER) -> bool:
+    return (target / marker).is_file()
+
+
+# --- tokenizer ------------------------------------------------------------------------------------
+
+FAST_TOKENIZER_FILE = "tokenizer.json"
+SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+
+
+def resolve_tokenizer(tokenizer: Optional[str], model_path: Path, cache_dir: Path) -> Path:
+    """A directory holding a fast tokenizer (tokenizer.json) for the model.
+
+    ``tokenizer`` (a local directory) overrides the model's own files. Checkpoints that ship
+    only slow-tokenizer files (OPT's vocab.json + merges.txt, a SentencePiece model) are
+    converted once into the cache, so the torch-free frontend can load them.
+    """
+    source = Path(tokenizer).expanduser() if tokenizer else Path(model_path)
+    if not source.is_dir():
+        raise ModelNotFoundError(f"Tokenizer directory {str(source)!r}: no such directory.")
+    if (source / FAST_TOKENIZER_FILE).is_file():
+        return source
+    if not any((source / name).is_file() for name in SLOW_TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"{source} has no tokenizer files ({FAST_TOKENIZER_FILE} or "
+            f"{', '.join(SLOW_TOKENIZER_FILES)}); pass tokenizer= a directory that has them.")
+    digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
+    target = Path(cache_dir) / "tokenizers" / f"{source.name}-{digest}"
+
+    def convert(scratch: Path) -> None:
+        from transformers import AutoTokenizer
+
+        announce(f"Converting the tokenizer of {source} to tokenizer.json (once) ...")
+        AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(scratch))
+
+    return build_once(target, convert, marker=FAST_TOKENIZER_FILE)
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
