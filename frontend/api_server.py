@@ -1,0 +1,384 @@
+"""The stateless OpenAI-compatible HTTP frontend of a Tandem backend (no torch).
+
+    python -m frontend.api_server --backend HOST:PORT [--host 127.0.0.1] [--port 8000]
+        [--tokenizer DIR] [--api-key KEY] [--served-model-name NAME]
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
+/detokenize (all behind ``--api-key`` when set), and /health, /metrics,
+/version (always open). The request logic is in ``frontend.serving``; this
+module assembles the app: routes, API-key check, the one mapping of errors to
+OpenAI error JSON, request IDs and HTTP metrics.
+
+On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
+the backend's (cached by fingerprint), and refuses to start when its
+fingerprint differs from the backend's: the two sides would disagree on what
+token IDs mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import importlib.metadata
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from transformers import PreTrainedTokenizerFast
+
+from backend.config import EngineConfig
+from backend.errors import TandemError
+from backend.request import ModelInfo
+from frontend import protocol as P
+from frontend.engine_client import EngineClient
+from frontend.serving import (
+    HTTP_STATUS_CLIENT_CLOSED_REQUEST,
+    AuthenticationError,
+    ClientDisconnectedError,
+    OpenAIServing,
+    error_body,
+    error_json_response,
+    error_of_exception,
+)
+from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = b"x-request-id"
+API_KEY_ENV = "TANDEM_API_KEY"  # read when --api-key is not given (keeps the key out of `ps`)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def tandem_version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# ---- middleware --------------------------------------------------------------------------------
+
+
+class HttpMetrics:
+    """The frontend's HTTP metrics, in a registry of their own (one app, one registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tandem:http_requests", "HTTP requests answered, by route and status.",
+                                ["route", "method", "status"], registry=self.registry)
+        self.latency = Histogram("tandem:http_request_duration_seconds",
+                                 "Seconds from request to the end of the response (whole stream).",
+                                 ["route", "method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("tandem:http_requests_in_progress", "HTTP requests being answered.",
+                               registry=self.registry)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route (unknown paths as "other", to bound the labels) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: HttpMetrics, routes: frozenset[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        status = HTTP_STATUS_CLIENT_CLOSED_REQUEST  # unless a response starts
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        start = time.perf_counter()
+        try:
+            await self.app(scope, receive, send_and_record)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(route, scope["method"]).observe(time.perf_counter() - start)
+
+
+class RequestIdMiddleware:
+    """Echoes the client's X-Request-Id, or sends a new one, on every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((value for name, value in scope["headers"] if name == REQUEST_ID_HEADER), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def api_key_checker(api_key: Optional[str]):
+    """A dependency that raises ``AuthenticationError`` unless ``Authorization: Bearer <api_key>``."""
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not tell how much of the key matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise AuthenticationError("Missing or invalid API key: send 'Authorization: Bearer <key>'.")
+
+    return check
+
+
+# ---- error handlers (every error leaves as OpenAI error JSON) -----------------------------------
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
+    """Pydantic errors as one message (``field: problem; ...``) and the first field's name."""
+    parts, param = [], None
+    for error in errors:
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        if param is None and location:
+            param = location[0]
+        parts.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts) or "Invalid request.", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_validation_error(request: Request, error: Exception) -> JSONResponse:
+        message, param = _validation_message(error.errors())
+        return error_json_response(400, error_body(400, message, param))
+
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_json_response(error.status_code, error_body(error.status_code, str(error.detail)))
+
+    async def on_client_gone(request: Request, error: ClientDisconnectedError) -> Response:
+        return Response(status_code=HTTP_STATUS_CLIENT_CLOSED_REQUEST)
+
+    async def on_error(request: Request, error: Exception) -> JSONResponse:
+        status, body = error_of_exception(error)
+        return error_json_response(status, body)
+
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnectedError, on_client_gone)
+    app.add_exception_handler(TandemError, on_error)
+    app.add_exception_handler(Exception, on_error)  # anything unexpected: a 500, still OpenAI-shaped
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
+               api_key: Optional[str] = None) -> FastAPI:
+    """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
+
+    ``/health`` asks ``engine_client.health()`` (``GrpcEngineClient`` has it).
+    """
+    serving = OpenAIServing(engine_client, tokenizer, model_info)
+    metrics = HttpMetrics()
+    app = FastAPI(title="Tandem", version=tandem_version(), docs_url=None, redoc_url=None, openapi_url=None)
+    protected = [Depends(api_key_checker(api_key))]
+
+    @app.post("/v1/completions", dependencies=protected)
+    async def completions(request: P.CompletionRequest, raw_request: Request) -> Response:
+        return await serving.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions", dependencies=protected)
+    async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
+        return await serving.create_chat_completion(request, raw_request)
+
+    @app.get("/v1/models", dependencies=protected)
+    async def models() -> P.ModelList:
+        return serving.models()
+
+    @app.post("/tokenize", dependencies=protected)
+    async def tokenize(request: P.TokenizeRequest) -> P.TokenizeResponse:
+        return serving.tokenize(request)
+
+    @app.post("/detokenize", dependencies=protected)
+    async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        return serving.detokenize(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            healthy = await engine_client.health()
+        except Exception:  # noqa: BLE001 -- any failure to answer means unhealthy
+            healthy = False
+        if healthy:
+            return Response(status_code=200)
+        return error_json_response(503, error_body(503, "The backend is unavailable or not serving."))
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> P.VersionResponse:
+        return P.VersionResponse(version=tandem_version())
+
+    _install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+    # Added last, so outermost: it sees every response, 401s and 404s included.
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(route.path for route in app.routes))
+    return app
+
+
+# ---- startup -----------------------------------------------------------------------------------
+
+
+class StartupError(TandemError):
+    """The frontend cannot start (backend unreachable, tokenizer mismatch, ...)."""
+
+
+async def wait_for_backend(client, address: str, timeout: float) -> None:
+    """Poll the backend's health until it serves; ``timeout`` <= 0 waits as long as it takes."""
+    deadline = time.monotonic() + timeout
+    announced = False
+    while not await client.health():
+        if timeout > 0 and time.monotonic() > deadline:
+            raise StartupError(f"The backend at {address} did not become healthy within {timeout:.0f} s.")
+        if not announced:
+            logger.info("Waiting for the backend at %s ...", address)
+            announced = True
+        await asyncio.sleep(0.5)
+
+
+async def fetch_backend_tokenizer(client, fingerprint: str, cache_dir: Path) -> Path:
+    """The backend's tokenizer files in ``cache_dir/tokenizers/<fingerprint>``, fetched unless there.
+
+    Fetched into a staging directory and renamed into place, so a concurrent
+    frontend never reads half-written files.
+    """
+    target = cache_dir / "tokenizers" / fingerprint
+    if target.is_dir():
+        try:
+            if tokenizer_fingerprint(str(target)) == fingerprint:
+                return target
+        except TandemError:
+            pass
+        shutil.rmtree(target, ignore_errors=True)  # damaged: fetch again
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=target.parent))
+    try:
+        await client.fetch_tokenizer(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():  # not a lost race with another frontend
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer: Optional[str] = None,
+              api_key: Optional[str] = None, served_model_name: Optional[str] = None,
+              backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+    """Connect to the backend at ``backend`` (HOST:PORT), check the tokenizer, serve HTTP until
+    SIGINT/SIGTERM. Raises ``StartupError`` (or another ``TandemError``) when it cannot start."""
+    from frontend.grpc_client import GrpcEngineClient
+
+    client = GrpcEngineClient(backend)
+    try:
+        await wait_for_backend(client, backend, backend_timeout)
+        model_info = await client.model_info()
+        backend_fingerprint = await client.tokenizer_fingerprint()
+        if tokenizer:
+            tokenizer_dir = Path(tokenizer)
+        else:
+            tokenizer_dir = await fetch_backend_tokenizer(client, backend_fingerprint, EngineConfig().cache_dir)
+        local_fingerprint = tokenizer_fingerprint(str(tokenizer_dir))
+        if local_fingerprint != backend_fingerprint:
+            raise StartupError(
+                f"The tokenizer in {tokenizer_dir} (fingerprint {local_fingerprint[:16]}) is not the backend's "
+                f"(fingerprint {backend_fingerprint[:16]}): token IDs would mean different things on the two "
+                "sides. Point --tokenizer at the backend's tokenizer files, or leave it out to fetch them "
+                "from the backend.")
+        if served_model_name:
+            model_info.model_name = served_model_name
+        app = create_app(client, load_tokenizer(str(tokenizer_dir)), model_info, api_key)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
+        logger.info("Serving %s at http://%s:%d/v1 from the backend at %s.", model_info.model_name, host, port,
+                    backend)
+        server = uvicorn.Server(config)
+        await server.serve()
+        if not server.started:
+            raise StartupError(f"Could not serve HTTP on {host}:{port}.")
+    finally:
+        await client.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m frontend.api_server", description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", required=True, help="the backend's gRPC address, HOST:PORT")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--tokenizer", default=None,
+                        help="local tokenizer directory (default: fetch the backend's and cache it)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
+                             f"(default: ${API_KEY_ENV})")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients use (default: the backend's)")
+    parser.add_argument("--backend-timeout", type=float, default=600.0,
+                        help="seconds to wait at startup for the backend to be healthy (0: no limit)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds open requests get to finish after SIGTERM")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return parser
+
+
+def _exit_cleanly(signum: int, frame) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the frontend; 0 after SIGINT/SIGTERM, 1 (with the reason on stderr) if it cannot start."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A stop request is a normal end: while uvicorn serves it drains first, then re-raises
+    # the signal, which lands here; before that (waiting for the backend) it ends at once.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
+    try:
+        asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
+                        args.backend_timeout, args.shutdown_timeout, args.log_level))
+    except TandemError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

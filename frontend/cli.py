@@ -1,0 +1,230 @@
+"""The ``tandem`` command: serve, backend, frontend, generate.
+
+    tandem serve [MODEL] [--host H] [--port 8000] [--grpc-port 50051] [--metrics-port 8001]
+                 [--api-key KEY] [engine flags]
+    tandem backend [MODEL] ...        the gRPC backend alone (python -m backend.server)
+    tandem frontend --backend H:P ... the HTTP frontend alone (python -m frontend.api_server)
+    tandem generate [MODEL] --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
+
+``serve`` always runs the backend and the frontend as two processes joined by
+gRPC on loopback, so the split is exercised even on one machine. Engine flags
+are ``EngineConfig``'s, the same names as ``LLM(...)``'s keyword arguments.
+
+This module does not import torch; only ``generate`` (and ``backend``) pull it in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Optional
+
+from backend.config import EngineConfig
+from backend.errors import TandemError
+from backend.request import SamplingParams
+
+POLL_INTERVAL_S = 0.2
+KILL_GRACE_S = 10.0  # after --shutdown-timeout, before SIGKILL
+
+
+# ---- tandem serve ------------------------------------------------------------------------------
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags in ``args`` that differ from the defaults, as command-line arguments."""
+    argv = [args.model] if args.model else []
+    defaults = EngineConfig()
+    for name in EngineConfig.field_names():
+        value = getattr(args, name)
+        if name == "model" or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _set_parent_death_signal() -> None:
+    """In the child, before exec: get SIGTERM if the parent dies (Linux), so none is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Child:
+    """One child process of ``tandem serve``."""
+
+    def __init__(self, name: str, argv: list[str], env: Optional[dict] = None) -> None:
+        self.name = name
+        # A session of its own: a terminal's Ctrl-C reaches only the parent, which stops
+        # the children in order (frontend first, so no request meets a stopped backend).
+        self.process = subprocess.Popen(argv, env=env, start_new_session=True,
+                                        preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None)
+
+    def exit_code(self) -> Optional[int]:
+        return self.process.poll()
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM, wait up to ``timeout`` s, then SIGKILL."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            print(f"tandem: the {self.name} did not stop within {timeout:.0f} s; killing it.", file=sys.stderr)
+            self.process.kill()
+            self.process.wait()
+
+
+def _local_address(host: str) -> str:
+    """Where this machine reaches a server bound to ``host``."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, host)
+
+
+def _http_get(url: str, api_key: Optional[str]) -> Optional[bytes]:
+    """The body of a 200 answer, or None for anything else (not up yet, 503, ...)."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.read() if response.status == 200 else None
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Start the backend and the frontend, report when both serve, stop both on SIGINT/SIGTERM."""
+    try:
+        EngineConfig.from_cli_args(args)  # bad flags fail here, before any process starts
+    except TandemError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    stop_requested: list[int] = []  # the signals received
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop_requested.append(signum))
+
+    backend_argv = [sys.executable, "-m", "backend.server", *engine_argv(args), "--host", "127.0.0.1",
+                    "--port", str(args.grpc_port), "--metrics-port", str(args.metrics_port),
+                    "--shutdown-timeout", str(args.shutdown_timeout)]
+    frontend_argv = [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{args.grpc_port}",
+                     "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
+                     "--backend-timeout", "0"]  # we watch the backend process ourselves
+    frontend_env = dict(os.environ)
+    if args.api_key:
+        frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+    # Both start at once: the frontend loads its libraries while the backend loads the model.
+    backend = _Child("backend", backend_argv)
+    frontend = _Child("frontend", frontend_argv, frontend_env)
+    children = (frontend, backend)  # the order they stop in
+    base_url = f"http://{_local_address(args.host)}:{args.port}"
+    ready = False
+    failed: Optional[_Child] = None
+    try:
+        while not stop_requested:
+            failed = next((child for child in children if child.exit_code() is not None), None)
+            if failed is not None:
+                break
+            if not ready and _http_get(base_url + "/health", None) is not None:
+                models = _http_get(base_url + "/v1/models", args.api_key)
+                name = json.loads(models)["data"][0]["id"] if models else args.model
+                print(f"Tandem is serving {name} at http://{args.host}:{args.port}/v1", flush=True)
+                ready = True
+            time.sleep(POLL_INTERVAL_S)
+    finally:
+        for child in children:
+            child.stop(args.shutdown_timeout + KILL_GRACE_S)
+    if failed is not None:
+        print(f"error: the {failed.name} exited with code {failed.exit_code()}; stopped the rest.",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- tandem generate ---------------------------------------------------------------------------
+
+
+def generate(args: argparse.Namespace) -> int:
+    from frontend.llm import LLM  # torch comes in here
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        config = EngineConfig.from_cli_args(args)
+        llm = LLM(**{name: getattr(config, name) for name in EngineConfig.field_names()})
+    except TandemError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    try:
+        (output,) = llm.generate(args.prompt, params, use_tqdm=False)
+    except TandemError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        llm.shutdown()
+    print(output.outputs[0].text)
+    return 0
+
+
+# ---- the command line --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: an LLM inference server.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve_parser = commands.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API "
+                                                     "(a backend and a frontend process)")
+    EngineConfig.add_cli_args(serve_parser)
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
+    serve_parser.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
+    serve_parser.add_argument("--grpc-port", type=int, default=50051,
+                              help="loopback port between the frontend and the backend")
+    serve_parser.add_argument("--metrics-port", type=int, default=8001,
+                              help="the backend's Prometheus port (engine metrics; HTTP metrics are at /metrics)")
+    serve_parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                              help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)")
+    serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                              help="seconds running requests get to finish on SIGINT/SIGTERM")
+    serve_parser.set_defaults(handler=serve)
+
+    commands.add_parser("backend", add_help=False, help="the gRPC backend alone (see `tandem backend --help`)")
+    commands.add_parser("frontend", add_help=False, help="the HTTP frontend alone (see `tandem frontend --help`)")
+
+    generate_parser = commands.add_parser("generate", help="generate text offline for one prompt")
+    EngineConfig.add_cli_args(generate_parser)
+    generate_parser.add_argument("--prompt", required=True)
+    sampling_defaults = SamplingParams()
+    generate_parser.add_argument("--max-tokens", type=int, default=sampling_defaults.max_tokens)
+    generate_parser.add_argument("--temperature", type=float, default=sampling_defaults.temperature)
+    generate_parser.set_defaults(handler=generate)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # backend and frontend keep their own parsers: hand them the rest untouched.
+    if argv[:1] == ["backend"]:
+        from backend.server import main as backend_main
+
+        return backend_main(argv[1:])
+    if argv[:1] == ["frontend"]:
+        from frontend.api_server import main as frontend_main
+
+        return frontend_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,554 @@
+"""OpenAI requests in, engine calls out, engine deltas back as OpenAI responses and SSE chunks.
+
+A request's life here:
+
+1. Check the model name, tokenize (chat template for chat), check the context
+   length with vLLM's wording, build ``SamplingParams`` (which checks ranges).
+2. One engine request per prompt (``<id>-<i>`` for the i-th prompt of a
+   completions list); its deltas become text in ``frontend.outputs``
+   (detokenization, stop strings), the one place that happens.
+3. Non-streaming: collect, answer JSON. Streaming: wait for the first delta
+   (so errors the engine raises up front, bad input or a full queue, still get
+   their HTTP status), then stream SSE chunks; an error after that is sent as
+   ``data: {"error": ...}`` followed by ``data: [DONE]``.
+
+However a request ends early (all sequences stopped by stop strings, the
+client went away, an error), its engine streams are closed, which aborts them
+in the engine (the ``EngineClient`` contract) and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerFast
+
+from backend.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TandemError
+from backend.request import ModelInfo, PositionLogprobs, SamplingParams
+from frontend import protocol as P
+from frontend.engine_client import EngineClient
+from frontend.grpc_client import BackendOverloadedError
+from frontend.outputs import RequestOutputBuilder, TextDelta
+from frontend.tokenizer import decode_token, encode_prompt, render_chat
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# OpenAI's JSON has no -inf: clamp like OpenAI and vLLM do.
+_MIN_LOGPROB = -9999.0
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty")
+
+
+# ---- errors -> HTTP status and OpenAI error JSON (the one place) ------------------------------
+
+
+class AuthenticationError(TandemError):
+    """The request lacks the API key or carries a wrong one (HTTP 401)."""
+
+
+class ClientDisconnectedError(TandemError):
+    """The HTTP client went away before the answer was ready; nobody reads the response."""
+
+
+HTTP_STATUS_CLIENT_CLOSED_REQUEST = 499  # nginx's: the client went away before the answer
+
+
+_STATUS_OF_ERROR: tuple[tuple[type[Exception], HTTPStatus], ...] = (
+    (InvalidRequestError, HTTPStatus.BAD_REQUEST),
+    (AuthenticationError, HTTPStatus.UNAUTHORIZED),
+    (ModelNotFoundError, HTTPStatus.NOT_FOUND),
+    (BackendOverloadedError, HTTPStatus.TOO_MANY_REQUESTS),
+    (EngineDeadError, HTTPStatus.SERVICE_UNAVAILABLE),  # BackendUnavailableError included
+)
+
+# vLLM's error ``type`` names (OpenAI's client maps by status code, not by these).
+_ERROR_TYPE_OF_STATUS = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, param: Optional[str] = None) -> P.ErrorResponse:
+    status = HTTPStatus(status)
+    error_type = _ERROR_TYPE_OF_STATUS.get(status, status.phrase.replace(" ", "") + "Error")
+    return P.ErrorResponse(error=P.ErrorInfo(message=message, type=error_type, param=param, code=status.value))
+
+
+def error_of_exception(error: Exception) -> tuple[int, P.ErrorResponse]:
+    """The HTTP status and OpenAI error body for an exception; unknown ones are a 500."""
+    for error_class, status in _STATUS_OF_ERROR:
+        if isinstance(error, error_class):
+            return status, error_body(status, str(error), getattr(error, "param", None))
+    logger.error("Unexpected error while serving a request", exc_info=error)
+    return HTTPStatus.INTERNAL_SERVER_ERROR, error_body(
+        HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {type(error).__name__}: {error}")
+
+
+def error_json_response(status: int, body: P.ErrorResponse) -> JSONResponse:
+    return JSONResponse(body.model_dump(mode="json"), status_code=status)
+
+
+# ---- one engine request ----------------------------------------------------------------------
+
+
+@dataclass
+class _Prompt:
+    text: Optional[str]  # None when the client sent token IDs
+    token_ids: list[int]
+
+
+class _EngineRun:
+    """One engine request (one prompt, ``n`` sequences) and the builder of its text."""
+
+    def __init__(self, request_id: str, prompt: _Prompt, params: SamplingParams,
+                 tokenizer: PreTrainedTokenizerFast, first_choice: int) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.first_choice = first_choice  # choice index of sequence 0 (vLLM: prompt_index * n)
+        self.builder = RequestOutputBuilder(tokenizer, request_id, prompt.text, prompt.token_ids, params)
+
+    async def deltas(self, client: EngineClient) -> AsyncIterator["_Event"]:
+        """(this run, sequence index, what that sequence added), until every sequence ended."""
+        stream = client.generate(self.request_id, self.prompt.token_ids, self.params)
+        try:
+            async for output in stream:
+                delta = self.builder.add(output)
+                yield self, output.index, delta
+                if self.builder.finished:
+                    break  # stop strings can end it before the engine does
+        finally:
+            await stream.aclose()  # before the end: aborts the request in the engine
+
+
+# What a request's streams yield: (the engine run, sequence index, what that sequence added).
+_Event = tuple[_EngineRun, int, TextDelta]
+
+
+async def _merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of several async iterators as they arrive; the first error ends it.
+
+    Each iterator runs in a task of its own, so closing or cancelling the merged
+    iterator only has to cancel those tasks: their cleanup (aborting engine
+    requests) runs in them, where no outer cancel scope can interrupt it.
+    """
+    queue: asyncio.Queue = asyncio.Queue()  # unbounded: bounded by max_tokens
+    finished = object()
+
+    async def pump(iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((None, item))
+            queue.put_nowait((None, finished))
+        except Exception as error:  # noqa: BLE001 -- handed to the consumer
+            queue.put_nowait((error, None))
+
+    tasks = [asyncio.ensure_future(pump(iterator)) for iterator in iterators]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            error, item = await queue.get()
+            if error is not None:
+                raise error
+            if item is finished:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    # The body has been read: the next message is the disconnect (or none, until the response ends).
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(raw_request: Request, awaitable: Awaitable[T]) -> T:
+    """Await it, but cancel it (aborting its engine requests) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled
+        work.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.wait({work})  # let its cleanup (closing the engine streams) finish
+    raise ClientDisconnectedError("The client disconnected before the response was ready.")
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+# ---- logprob formats ---------------------------------------------------------------------------
+
+
+def _finite(logprob: float) -> float:
+    return _MIN_LOGPROB if math.isnan(logprob) else max(logprob, _MIN_LOGPROB)
+
+
+def _token_text(tokenizer: PreTrainedTokenizerFast, token_id: int, position: Optional[PositionLogprobs]) -> str:
+    logprob = position.get(token_id) if position is not None else None
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return decode_token(tokenizer, token_id)
+
+
+def completion_logprobs(tokenizer: PreTrainedTokenizerFast, token_ids: list[int],
+                        positions: list[Optional[PositionLogprobs]], initial_offset: int) -> P.CompletionLogProbs:
+    """OpenAI's legacy format. ``top_logprobs`` holds the chosen token and the top-k, as vLLM's;
+    a position without logprobs (the prompt's first token) has None."""
+    result = P.CompletionLogProbs()
+    offset = initial_offset
+    for token_id, position in zip(token_ids, positions):
+        token = _token_text(tokenizer, token_id, position)
+        if position is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            result.token_logprobs.append(_finite(position[token_id].logprob))
+            result.top_logprobs.append({_token_text(tokenizer, tid, position): _finite(lp.logprob)
+                                        for tid, lp in position.items()})
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def chat_logprobs(tokenizer: PreTrainedTokenizerFast, token_ids: list[int],
+                  positions: list[PositionLogprobs], num_top: int) -> P.ChatCompletionLogProbs:
+    """OpenAI's chat format: each token with its ``num_top`` most likely alternatives."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        token = _token_text(tokenizer, token_id, position)
+        ranked = sorted(position.items(), key=lambda item: (-item[1].logprob, item[0]))[:num_top]
+        top = [P.ChatCompletionTopLogprob(token=text, logprob=_finite(lp.logprob), bytes=list(text.encode()))
+               for text, lp in ((_token_text(tokenizer, tid, position), lp) for tid, lp in ranked)]
+        content.append(P.ChatCompletionLogprobContent(
+            token=token, logprob=_finite(position[token_id].logprob), bytes=list(token.encode()), top_logprobs=top))
+    return P.ChatCompletionLogProbs(content=content)
+
+
+# ---- the serving logic -----------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """The OpenAI endpoints' logic over one ``EngineClient`` and the backend's tokenizer."""
+
+    def __init__(self, engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast,
+                 model_info: ModelInfo) -> None:
+        self.engine_client = engine_client
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+
+    @property
+    def model_name(self) -> str:
+        return self.model_info.model_name
+
+    # ---- endpoints ----
+
+    def models(self) -> P.ModelList:
+        return P.ModelList(data=[P.ModelCard(id=self.model_name, root=self.model_name,
+                                             max_model_len=self.model_info.max_model_len)])
+
+    async def create_completion(self, request: P.CompletionRequest, raw_request: Request) -> Response:
+        self._check_model(request.model)
+        prompts = self._completion_prompts(request.prompt)
+        # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
+        explicit = "max_tokens" in request.model_fields_set
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        runs = []
+        for i, prompt in enumerate(prompts):
+            max_tokens = self._max_tokens(request.max_tokens if explicit else None, len(prompt.token_ids),
+                                          default=None if explicit else request.max_tokens, prompt_param="prompt")
+            params = self._sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
+            runs.append(_EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n))
+        if request.stream:
+            return await self._stream(raw_request, runs, lambda first, events: self._completion_chunks(
+                request, base_id, runs, first, events))
+        await _unless_disconnected(raw_request, self._collect(runs))
+        return self._json(self._completion_response(request, base_id, runs))
+
+    async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request) -> Response:
+        self._check_model(request.model)
+        if request.top_logprobs is not None and request.top_logprobs < 0:
+            raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}.",
+                                      param="top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise InvalidRequestError("When using `top_logprobs`, `logprobs` must be set to true.",
+                                      param="top_logprobs")
+        text = render_chat(self.tokenizer, request.messages, request.add_generation_prompt, request.chat_template,
+                           request.continue_final_message, **(request.chat_template_kwargs or {}))
+        prompt = _Prompt(text, encode_prompt(self.tokenizer, text, add_special_tokens=False))
+        # vLLM: max_completion_tokens wins; neither given means all the room left.
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens = self._max_tokens(requested, len(prompt.token_ids), default=None, prompt_param="messages")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self._sampling_params(request, max_tokens, logprobs, None)
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        runs = [_EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0)]
+        if request.stream:
+            return await self._stream(raw_request, runs, lambda first, events: self._chat_chunks(
+                request, base_id, runs, first, events))
+        await _unless_disconnected(raw_request, self._collect(runs))
+        return self._json(self._chat_response(request, base_id, runs))
+
+    def tokenize(self, request: P.TokenizeRequest) -> P.TokenizeResponse:
+        self._check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
+        if request.messages is not None:
+            text = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message,
+                               **(request.chat_template_kwargs or {}))
+            add_special_tokens = bool(request.add_special_tokens)
+        else:
+            text = request.prompt
+            add_special_tokens = request.add_special_tokens is not False
+        tokens = encode_prompt(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return P.TokenizeResponse(count=len(tokens), max_model_len=self.model_info.max_model_len, tokens=tokens)
+
+    def detokenize(self, request: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        self._check_model(request.model)
+        self._check_token_ids(request.tokens, param="tokens")
+        return P.DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+
+    # ---- request -> engine ----
+
+    def _check_model(self, name: Optional[str]) -> None:
+        if name and name != self.model_name:  # omitted or empty: the served model, as vLLM
+            raise ModelNotFoundError(f"The model `{name}` does not exist.")
+
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = self.model_info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"Token ID {bad} is out of vocabulary (size {vocab_size}).", param=param)
+
+    def _completion_prompts(self, prompt: Union[str, list]) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif not prompt:
+            raise InvalidRequestError("prompt must not be empty.", param="prompt")
+        elif isinstance(prompt[0], int):
+            items = [prompt]  # one prompt of token IDs
+        else:
+            items = prompt
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(_Prompt(item, encode_prompt(self.tokenizer, item)))
+            else:
+                self._check_token_ids(item, param="prompt")
+                prompts.append(_Prompt(None, list(item)))
+            if not prompts[-1].token_ids:
+                raise InvalidRequestError("The prompt is empty.", param="prompt")
+        return prompts
+
+    def _max_tokens(self, requested: Optional[int], prompt_len: int, default: Optional[int],
+                    prompt_param: str) -> int:
+        """The max_tokens to send: ``requested`` if it fits (vLLM's errors if not), else the
+        ``default`` (None: all the room left) capped to the room left."""
+        limit = self.model_info.max_model_len
+        if prompt_len > limit or (requested is None and prompt_len >= limit):
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input messages.", param=prompt_param)
+        room = limit - prompt_len
+        if requested is not None:
+            if requested > room:
+                raise InvalidRequestError(
+                    f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
+                    f"context length is {limit} tokens and your request has {prompt_len} input tokens "
+                    f"({requested} > {limit} - {prompt_len}).", param="max_tokens")
+            return requested
+        return room if default is None else min(default, room)
+
+    @staticmethod
+    def _sampling_params(request: P.SamplingFields, max_tokens: int, logprobs: Optional[int],
+                         prompt_logprobs: Optional[int]) -> SamplingParams:
+        fields: dict[str, Any] = dict(
+            n=request.n, max_tokens=max_tokens, min_tokens=request.min_tokens, seed=request.seed,
+            stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output)
+        for name in _SAMPLING_DEFAULTS:  # None: the engine's default
+            value = getattr(request, name)
+            if value is not None:
+                fields[name] = value
+        return SamplingParams(**fields)  # checks every value, naming the parameter
+
+    # ---- engine -> response ----
+
+    def _events(self, runs: list[_EngineRun]) -> AsyncIterator[_Event]:
+        return _merge([run.deltas(self.engine_client) for run in runs])
+
+    async def _collect(self, runs: list[_EngineRun]) -> None:
+        async with contextlib.aclosing(self._events(runs)) as events:
+            async for _ in events:
+                pass
+
+    async def _stream(self, raw_request: Request, runs: list[_EngineRun],
+                      chunks: Callable[[Optional[_Event], AsyncIterator[_Event]], AsyncIterator[str]]) -> Response:
+        """Wait for the first delta (errors until then get their HTTP status), then stream SSE."""
+        events = self._events(runs)
+        try:
+            first = await _unless_disconnected(raw_request, anext(events, None))
+        except BaseException:
+            await events.aclose()
+            raise
+        return StreamingResponse(self._sse_stream(chunks(first, events), events),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _sse_stream(self, chunks: AsyncIterator[str], events: AsyncIterator) -> AsyncIterator[str]:
+        """The chunks, an error chunk if one fails, then [DONE]. Closing it (the client went
+        away: Starlette cancels it) closes the engine streams."""
+        try:
+            async with contextlib.aclosing(events):
+                async for chunk in chunks:
+                    yield chunk
+        except Exception as error:  # noqa: BLE001 -- reported to the client in the stream
+            _, body = error_of_exception(error)
+            yield _sse(body)
+        yield _SSE_DONE
+
+    def _usage(self, runs: list[_EngineRun]) -> P.UsageInfo:
+        prompt_tokens = sum(len(run.prompt.token_ids) for run in runs)
+        completion_tokens = sum(len(seq.token_ids) for run in runs for seq in run.builder.sequences)
+        cached = sum(run.builder.num_cached_tokens for run in runs)
+        return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens,
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+
+    @staticmethod
+    def _json(response: BaseModel) -> JSONResponse:
+        return JSONResponse(response.model_dump(mode="json"))
+
+    def _echo_text(self, run: _EngineRun) -> str:
+        prompt = run.prompt
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
+    def _echo_logprobs(self, run: _EngineRun) -> list[Optional[PositionLogprobs]]:
+        positions = run.builder.prompt_logprobs
+        return list(positions) if positions is not None else [None] * len(run.prompt.token_ids)
+
+    def _completion_response(self, request: P.CompletionRequest, base_id: str,
+                             runs: list[_EngineRun]) -> P.CompletionResponse:
+        choices = []
+        for run in runs:
+            for seq in run.builder.build().outputs:
+                text, token_ids, positions = seq.text, seq.token_ids, seq.logprobs
+                if request.echo:
+                    text = self._echo_text(run) + text
+                    if positions is not None:
+                        token_ids = run.prompt.token_ids + token_ids
+                        positions = self._echo_logprobs(run) + positions
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(self.tokenizer, token_ids, positions, 0)
+                choices.append(P.CompletionResponseChoice(
+                    index=run.first_choice + seq.index, text=text, logprobs=logprobs,
+                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return P.CompletionResponse(id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs))
+
+    async def _completion_chunks(self, request: P.CompletionRequest, base_id: str, runs: list[_EngineRun],
+                                 first: Optional[_Event], events: AsyncIterator[_Event]) -> AsyncIterator[str]:
+        created = int(time.time())
+        echoed: set[int] = set()
+        streamed_chars: dict[int, int] = {}  # vLLM's text_offset base of each choice's next chunk
+        async for run, seq_index, delta in _prepend(first, events):
+            choice = run.first_choice + seq_index
+            text, token_ids, positions = delta.text, delta.token_ids, delta.logprobs
+            if request.echo and choice not in echoed:
+                echoed.add(choice)
+                text = self._echo_text(run) + text
+                if positions is not None:
+                    token_ids = run.prompt.token_ids + token_ids
+                    positions = self._echo_logprobs(run) + positions
+            if not text and not delta.finished and not (positions and token_ids):
+                continue
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = completion_logprobs(self.tokenizer, token_ids, positions, streamed_chars.get(choice, 0))
+            streamed_chars[choice] = streamed_chars.get(choice, 0) + len(text)
+            yield _sse(P.CompletionStreamResponse(
+                id=base_id, created=created, model=self.model_name,
+                choices=[P.CompletionResponseChoice(index=choice, text=text, logprobs=logprobs,
+                                                    finish_reason=delta.finish_reason,
+                                                    stop_reason=delta.stop_reason)]))
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield _sse(P.CompletionStreamResponse(id=base_id, created=created, model=self.model_name, choices=[],
+                                                  usage=self._usage(runs)))
+
+    def _chat_response(self, request: P.ChatCompletionRequest, base_id: str,
+                       runs: list[_EngineRun]) -> P.ChatCompletionResponse:
+        choices = []
+        for seq in runs[0].builder.build().outputs:
+            logprobs = None
+            if request.logprobs:
+                logprobs = chat_logprobs(self.tokenizer, seq.token_ids, seq.logprobs, request.top_logprobs or 0)
+            choices.append(P.ChatCompletionResponseChoice(
+                index=seq.index, message=P.ChatMessage(role="assistant", content=seq.text), logprobs=logprobs,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return P.ChatCompletionResponse(id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs))
+
+    async def _chat_chunks(self, request: P.ChatCompletionRequest, base_id: str, runs: list[_EngineRun],
+                           first: Optional[_Event], events: AsyncIterator[_Event]) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None) -> str:
+            return _sse(P.ChatCompletionStreamResponse(id=base_id, created=created, model=self.model_name,
+                                                       choices=choices, usage=usage))
+
+        # OpenAI's first chunk of each choice carries the role and no text.
+        for index in range(request.n):
+            yield chunk([P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(role="assistant", content=""))])
+        async for _run, index, delta in _prepend(first, events):
+            if not delta.text and not delta.finished and not (request.logprobs and delta.token_ids):
+                continue
+            logprobs = None
+            if request.logprobs:
+                logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, request.top_logprobs or 0)
+            yield chunk([P.ChatCompletionStreamChoice(
+                index=index, delta=P.DeltaMessage(content=delta.text or None), logprobs=logprobs,
+                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], self._usage(runs))
+
+
+async def _prepend(first: Optional[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    if first is None:
+        return
+    yield first
+    async for item in rest:
+        yield item
+
