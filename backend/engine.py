@@ -265,6 +265,9 @@ class AsyncLLMEngine:
     async def get_load(self) -> EngineLoad:
         return self.engine.get_load()
 
+    async def health(self) -> bool:
+        return self.dead_error is None
+
     # ---- the loop --------------------------------------------------------------------
 
     def _ensure_loop(self) -> None:

@@ -32,3 +32,7 @@ class EngineClient(Protocol):
 
     async def get_load(self) -> EngineLoad:
         ...
+
+    async def health(self) -> bool:
+        """True while the engine can take requests."""
+        ...
