@@ -204,14 +204,21 @@ class LLMEngine:
 class AsyncLLMEngine:
     """The in-process ``EngineClient``: LLMEngine.step() in a background asyncio loop.
 
-    Steps run on one helper thread (torch releases the GIL), so the event loop
+    Steps run on one engine thread (torch releases the GIL), so the event loop
     stays responsive. Adds and aborts are queued and applied between steps, on
     that thread, so the engine core is only ever touched by it.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, config: EngineConfig) -> None:
+        # Every torch call of the engine, model loading included, runs on this one thread: a
+        # second thread running torch ops gets an OpenMP team of its own, and two teams on a
+        # few cores slow each other down (measured: 1.7x slower steps on 2 cores).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+        try:
+            self.engine = self._thread.submit(LLMEngine, config).result()
+        except BaseException:
+            self._thread.shutdown(wait=False)
+            raise
         self._lock = threading.Lock()
         self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
         self._pending_aborts: list[str] = []
@@ -220,10 +227,6 @@ class AsyncLLMEngine:
         self._task: Optional[asyncio.Task] = None
         self._wakeup: Optional[asyncio.Event] = None
         self.dead_error: Optional[BaseException] = None
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config))
 
     # ---- EngineClient ----------------------------------------------------------------
 

@@ -177,8 +177,7 @@ class ModelRunner:
         if not inputs.logits_rows:
             return out
         rows = torch.tensor(inputs.logits_rows, dtype=torch.int64, device=self.device)
-        # [num_rows, vocab] in fp32: the sampler works in fp32, and argmax over bf16 is 2x slower on CPU
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_rows, vocab]
 
         for s, first, count, start in inputs.prompt_rows:
             targets = s.prompt_token_ids[start + 1:start + 1 + count]

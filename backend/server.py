@@ -388,7 +388,7 @@ class BackendServer:
 async def serve(config: EngineConfig, host: str, port: int, metrics_port: Optional[int],
                 shutdown_timeout: float) -> None:
     """Load the engine, serve until SIGTERM/SIGINT, then drain and stop."""
-    engine = AsyncLLMEngine.from_config(config)
+    engine = AsyncLLMEngine(config)
     try:
         server = BackendServer(engine, host, port, metrics_port)
         await server.start()

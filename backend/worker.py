@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
 
 from backend.config import EngineConfig
@@ -21,6 +24,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+            tune_glibc_malloc()
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.device)
 
@@ -35,3 +39,22 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+
+def tune_glibc_malloc() -> None:
+    """Make glibc keep large freed buffers instead of handing them back to the OS.
+
+    Each CPU step allocates and frees many multi-MB tensors (gathered KV,
+    activations). With glibc's defaults every one of them is mmap'ed and
+    unmapped again, and all its pages fault in anew; raising the mmap and trim
+    thresholds lets them reuse heap memory (what tcmalloc or jemalloc would do).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest allowed value
+    libc.mallopt(m_trim_threshold, 1 << 30)

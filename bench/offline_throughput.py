@@ -2,7 +2,8 @@
 
 Same model, same prompts (~128 tokens each), the same number of forced output
 tokens (greedy, EOS ignored). HF runs at each batch size and dtype given and
-its best counts. Prints output tokens/s of both and the ratio.
+its best counts. Prints output tokens/s of both and the ratio. Every run is a
+fresh subprocess, so no run inherits another's threads or memory.
 
     python bench/offline_throughput.py                      # default model, 64 x 128
     python bench/offline_throughput.py --hf-batch-sizes 32,64 --hf-dtypes bfloat16
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 
 SENTENCES = [
@@ -73,6 +76,19 @@ def bench_hf(model_dir, prompts, output_len: int, batch_size: int, dtype: str) -
             "tok_per_s": num_tokens / elapsed}
 
 
+def run_one(args: argparse.Namespace) -> dict:
+    """One measurement in this process: ``--run tandem`` or ``--run hf:BATCH:DTYPE``."""
+    from backend.config import EngineConfig
+    from frontend.tokenizer import load_tokenizer
+
+    config = EngineConfig(model=args.model).resolve()
+    prompts = make_prompts(load_tokenizer(str(config.tokenizer_path)), args.num_prompts, args.prompt_len)
+    if args.run == "tandem":
+        return bench_tandem(args.model, prompts, args.output_len, dtype=args.dtype)
+    _, batch_size, dtype = args.run.split(":")
+    return bench_hf(config.model_path, prompts, args.output_len, int(batch_size), dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -84,19 +100,29 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--dtype", default="auto", help="Tandem's dtype")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one measurement, JSON on stdout
     args = parser.parse_args()
 
-    from backend.config import EngineConfig
-    from frontend.tokenizer import load_tokenizer
+    if args.run:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return
 
-    config = EngineConfig(model=args.model).resolve()
-    prompts = make_prompts(load_tokenizer(str(config.model_path)), args.num_prompts, args.prompt_len)
-
-    results = [bench_tandem(args.model, prompts, args.output_len, dtype=args.dtype)]
+    runs = ["tandem"]
     if not args.skip_hf:
-        for dtype in args.hf_dtypes.split(","):
-            for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
-                results.append(bench_hf(config.model_path, prompts, args.output_len, bs, dtype))
+        runs += [f"hf:{bs}:{dtype}" for dtype in args.hf_dtypes.split(",")
+                 for bs in args.hf_batch_sizes.split(",")]
+    common = ["--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
+              "--output-len", str(args.output_len), "--dtype", args.dtype]
+    if args.model:
+        common += ["--model", args.model]
+    results = []
+    for run in runs:
+        proc = subprocess.run([sys.executable, __file__, "--run", run, *common],
+                              stdout=subprocess.PIPE, text=True, check=True)
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT "):]))
+        print(f"  {results[-1]['name']} {results[-1]['dtype']}: {results[-1]['tok_per_s']:.1f} tok/s",
+              file=sys.stderr)
 
     print(f"\n{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} output tokens each")
     print(f"{'engine':<12} {'dtype':<10} {'seconds':>8} {'output tok/s':>13}")

@@ -34,7 +34,7 @@ class LLM:
         from backend.engine import AsyncLLMEngine  # torch lives behind this import
 
         config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
-        self.engine = AsyncLLMEngine.from_config(config)
+        self.engine = AsyncLLMEngine(config)
         self.model_info = self.engine.engine.model_info()
         self.tokenizer = load_tokenizer(self.model_info.tokenizer_path)
         self._ids = itertools.count()

