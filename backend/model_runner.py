@@ -89,10 +89,10 @@ class ModelRunner:
         return max(1, min(num_blocks, max_useful))
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate and bind each layer's K and V cache: [kvh, num_blocks, block_size, head_dim]."""
+        """Allocate and bind each layer's K and V cache: [num_blocks, block_size, kvh, head_dim]."""
         self.kv_caches = []
         for layer in self.attn_layers:
-            shape = (layer.num_kv_heads, num_blocks, self.block_size, layer.head_dim)
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
                   torch.zeros(shape, dtype=self.dtype, device=self.device))
             layer.kv_cache = kv
@@ -147,8 +147,8 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        if self.device.type == "cpu":
-            meta.plan = kernels.plan_attention(block_tables, seq_lens, query_lens, bs, self.dtype)
+        # The reference attention's index work, shared by all layers (Triton kernels ignore it).
+        meta.plan = kernels.plan_attention(meta.block_tables, seq_lens, query_lens, bs)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),

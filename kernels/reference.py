@@ -1,20 +1,20 @@
 """Plain-torch twin of every kernel: the test oracle and the CPU path.
 
-KV-cache layout (one tensor per layer for K, one for V), head-major::
+KV-cache layout (one tensor per layer for K, one for V)::
 
-    cache[num_kv_heads, num_blocks, block_size, head_dim]
+    cache[num_blocks, block_size, num_kv_heads, head_dim]
     token p of a request -> block block_table[p // block_size], row p % block_size
-    slot = block_id * block_size + row   (cache.view(num_kv_heads, -1, head_dim)[:, slot])
+    slot = block_id * block_size + row   (cache.view(-1, num_kv_heads, head_dim)[slot])
 
-Head-major because gathering a batch's blocks along dim 1 then yields
-[num_kv_heads, num_reqs, span, head_dim] contiguous: exactly the batched-matmul
-layout, with no transposing copy of the gathered keys and values.
+A block is one contiguous run of memory, so gathering a batch's blocks is a
+single dim-0 ``index_select`` (the fastest gather on CPU), and SDPA reads the
+gathered [num_reqs, span, kvh, d] through a transposed view, without a copy.
 
 Attention is "varlen with paged KV": request i owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]`` (its newest ``query_len`` tokens)
 and attends causally to its first ``seq_len`` cached tokens, the newest
-included. Single-token queries (decode) run together as batched matmuls; longer
-ones (prefill chunks) run one request at a time through SDPA.
+included. Single-token queries (decode) run together in one SDPA call over
+their gathered blocks; longer ones (prefill chunks) one request at a time.
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] -> the slots in slot_mapping [num_tokens]."""
-    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 # ---- attention --------------------------------------------------------------------
@@ -101,15 +101,17 @@ class AttentionPlan:
     decode_rows: Optional[torch.Tensor]  # [num_decodes] query rows, None when all rows decode
     decode_out_rows: Optional[torch.Tensor]
     decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks]
-    decode_mask: Optional[torch.Tensor]  # [1, num_decodes, 1, max_blocks * block_size] additive
+    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
     prefills: list[tuple[int, int, int, int]]
     prefill_block_tables: list[torch.Tensor]  # per prefill: [num_blocks_needed]
     num_decodes: int
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int],
-                   block_size: int, dtype: torch.dtype) -> AttentionPlan:
-    """block_tables: [num_reqs, max_blocks] (padding may be any valid block ID)."""
+                   block_size: int) -> AttentionPlan:
+    """block_tables: [num_reqs, max_blocks] (padding may be any valid block ID); the plan's
+    tensors live on block_tables' device."""
+    device = block_tables.device
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
     starts = [0]
     for q in query_lens:
@@ -121,19 +123,18 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
         num_blocks = -(-max_len // block_size)
         if all_decode:
             tables = block_tables[:, :num_blocks]
-            lens = torch.tensor(seq_lens, dtype=torch.long)
+            lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
         else:
-            idx = torch.tensor(decode_idx, dtype=torch.long)
-            rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long)
+            idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
+            rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=device)
             plan.decode_rows = rows
             plan.decode_out_rows = rows
             tables = block_tables.index_select(0, idx)[:, :num_blocks]
-            lens = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.long)
+            lens = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.long, device=device)
         plan.decode_block_tables = tables.contiguous()
-        span = torch.arange(num_blocks * block_size)
-        invalid = span.unsqueeze(0) >= lens.unsqueeze(1)  # [num_decodes, span]
-        mask = torch.zeros(invalid.shape, dtype=torch.float32).masked_fill_(invalid, float("-inf"))
-        plan.decode_mask = mask.view(1, len(decode_idx), 1, -1)
+        span = torch.arange(num_blocks * block_size, device=device)
+        valid = span.unsqueeze(0) < lens.unsqueeze(1)  # [num_decodes, span]
+        plan.decode_mask = valid.view(len(decode_idx), 1, 1, -1)
     for i, q in enumerate(query_lens):
         if q != 1:
             plan.prefills.append((i, starts[i], q, seq_lens[i]))
@@ -142,13 +143,9 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache[kvh, num_blocks, block_size, d], block_ids[..., nb] -> [kvh, ..., nb * block_size, d]."""
-    flat = block_ids.reshape(-1)
-    out = cache.new_empty((cache.shape[0], flat.numel(), *cache.shape[2:]))
-    # One dim-0 gather per head: on CPU, ~1.5x faster than a single gather along dim 1.
-    for head in range(cache.shape[0]):
-        torch.index_select(cache[head], 0, flat, out=out[head])
-    return out.view(cache.shape[0], *block_ids.shape[:-1], -1, cache.shape[-1])
+    """cache[num_blocks, block_size, kvh, d], block_ids[..., nb] -> [..., kvh, nb * block_size, d] (a view)."""
+    gathered = cache.index_select(0, block_ids.reshape(-1))
+    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[-2:]).transpose(-3, -2)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -158,23 +155,19 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     [num_tokens, num_kv_heads, head_dim], already written to the caches.
     Returns [num_tokens, num_heads, head_dim] in query's dtype."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[0]
+    num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
 
     if plan.num_decodes:
         q = query if plan.decode_rows is None else query.index_select(0, plan.decode_rows)
         n = q.shape[0]
-        k = _gather(k_cache, plan.decode_block_tables)  # [kvh, n, span, d]
+        k = _gather(k_cache, plan.decode_block_tables)  # [n, kvh, span, d]
         v = _gather(v_cache, plan.decode_block_tables)
-        span = k.shape[2]
-        # [n, kvh, group, d] -> [kvh * n, group, d], matching the gathered keys' batch order
-        q = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
-        scores = torch.bmm(q, k.view(-1, span, head_dim).transpose(1, 2)).float()  # [kvh*n, group, span]
-        scores = scores.view(num_kv_heads, n, group, span).mul_(scale).add_(plan.decode_mask)
-        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(-1, group, span)
-        o = torch.bmm(probs, v.view(-1, span, head_dim))  # [kvh * n, group, d]
-        o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+        # 4-D SDPA (its fused CPU kernel): ~2x faster here than batched matmuls + softmax.
+        o = F.scaled_dot_product_attention(q.view(n, num_heads, 1, head_dim), k, v,
+                                           attn_mask=plan.decode_mask, scale=scale, enable_gqa=group > 1)
+        o = o.view(n, num_heads, head_dim)
         if plan.decode_out_rows is None:
             out.copy_(o)
         else:
@@ -190,10 +183,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             k = _gather(k_cache, table)[:, :seq_len]  # [kvh, seq_len, d]
             v = _gather(v_cache, table)[:, :seq_len]
             # Query row r sits at position seq_len - q_len + r and sees keys <= that.
-            rows = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-            mask, causal = torch.arange(seq_len).unsqueeze(0) <= rows, False
+            rows = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+            mask, causal = torch.arange(seq_len, device=query.device).unsqueeze(0) <= rows, False
+        # 4-D inputs: with 3-D ones, SDPA on CPU takes its slow math path (measured 5x slower).
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype),
+            q.unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0),
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)
-        out[start:start + q_len] = o.transpose(0, 1)
+        out[start:start + q_len] = o[0].transpose(0, 1)
     return out
