@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
 from backend.config import EngineConfig
@@ -111,7 +112,7 @@ class LLM:
                 self.engine.engine.validate(token_ids, params)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"Prompt {i}: {e.message}", param=e.param) from None
-        return asyncio.run(self._generate_all(items, params_list, use_tqdm))
+        return _run_to_completion(self._generate_all(items, params_list, use_tqdm))
 
     async def _generate_all(self, items, params_list, use_tqdm: bool) -> list[RequestOutput]:
         progress = None
@@ -140,3 +141,13 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
+
+
+def _run_to_completion(coroutine):
+    """asyncio.run, also from code already inside an event loop (e.g. a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

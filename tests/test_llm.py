@@ -93,6 +93,16 @@ def test_stop_strings_cut_the_text_and_free_the_request(llm):
     assert no_blocks_in_use(llm)
 
 
+def test_generate_works_from_inside_a_running_event_loop(llm):
+    import asyncio
+
+    async def caller():
+        return llm.generate("hello", GREEDY, use_tqdm=False)
+
+    (out,) = asyncio.run(caller())
+    assert len(out.outputs[0].token_ids) == 12
+
+
 def test_chat_renders_the_template(llm):
     (out,) = llm.chat([{"role": "user", "content": "Hello"}], GREEDY, use_tqdm=False)
     assert out.prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
