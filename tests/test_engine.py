@@ -1,0 +1,78 @@
+"""LLMEngine and AsyncLLMEngine: aborts free every block, streams end cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine import AsyncLLMEngine, LLMEngine
+from backend.errors import InvalidRequestError
+from backend.request import FinishReason, SamplingParams
+
+
+def config(model_dir, **kwargs) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128,
+                        max_model_len=256, **kwargs)
+
+
+def test_abort_mid_generation_frees_every_block(tiny_checkpoint):
+    engine = LLMEngine(config(tiny_checkpoint("llama"), max_num_seqs=3))
+    params = SamplingParams(temperature=0.0, max_tokens=50)
+    for i in range(5):  # 3 run, 2 wait
+        engine.add_request(f"r{i}", list(range(10 + i, 30 + i)), params)
+    engine.add_request("n", list(range(5, 15)), SamplingParams(n=3, temperature=1.0, max_tokens=50))
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.scheduler.num_waiting > 0
+    engine.abort_request(["r0", "r3", "n", "unknown-id"])
+    assert not {"r0", "r3"} & set(engine.scheduler.requests)
+    assert not [r for r in engine.scheduler.requests if r.startswith("n#")]
+    engine.abort_request(["r1", "r2", "r4"])
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # Aborted IDs can be used again.
+    engine.add_request("r0", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert [o.finish_reason for o in outs][-1] == FinishReason.LENGTH
+
+
+def test_n_sequences_stream_with_their_index(tiny_checkpoint):
+    engine = LLMEngine(config(tiny_checkpoint("llama")))
+    engine.add_request("a", [1, 2, 3, 4], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("a", [1, 2], SamplingParams())
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "a"
+            if out.finished:
+                finished[out.index] = out.finish_reason
+    assert finished == {0: FinishReason.LENGTH, 1: FinishReason.LENGTH, 2: FinishReason.LENGTH}
+
+
+def test_async_engine_closing_a_stream_aborts_it(tiny_checkpoint):
+    engine = AsyncLLMEngine(config(tiny_checkpoint("llama")))
+
+    async def scenario():
+        stream = engine.generate("a", list(range(20)), SamplingParams(temperature=0.0, max_tokens=200))
+        got = [await stream.__anext__() for _ in range(3)]
+        await stream.aclose()  # the client went away
+        with pytest.raises(InvalidRequestError, match="empty"):
+            async for _ in engine.generate("b", [], SamplingParams()):
+                pass
+        done = [o async for o in engine.generate("c", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3))]
+        for _ in range(100):  # the abort is applied by the engine loop
+            load = await engine.get_load()
+            if load.num_requests_running == 0 and load.kv_cache_usage == 0.0:
+                break
+            await asyncio.sleep(0.02)
+        return got, done, load
+
+    got, done, load = asyncio.run(scenario())
+    assert len(got) == 3 and not got[-1].finished
+    assert done[-1].finish_reason == FinishReason.LENGTH and sum(len(o.new_token_ids) for o in done) == 3
+    assert (load.num_requests_running, load.num_requests_waiting, load.kv_cache_usage) == (0, 0, 0.0)
+    engine.shutdown()
