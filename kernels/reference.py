@@ -99,7 +99,6 @@ class AttentionPlan:
     """
 
     decode_rows: Optional[torch.Tensor]  # [num_decodes] query rows, None when all rows decode
-    decode_out_rows: Optional[torch.Tensor]
     decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks]
     decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
     prefills: list[tuple[int, int, int, int]]
@@ -116,7 +115,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    plan = AttentionPlan(None, None, None, None, [], [], len(decode_idx))
+    plan = AttentionPlan(None, None, None, [], [], len(decode_idx))
     if decode_idx:
         all_decode = len(decode_idx) == len(query_lens)
         max_len = max(seq_lens[i] for i in decode_idx)
@@ -128,7 +127,6 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
             idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
             rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=device)
             plan.decode_rows = rows
-            plan.decode_out_rows = rows
             tables = block_tables.index_select(0, idx)[:, :num_blocks]
             lens = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.long, device=device)
         plan.decode_block_tables = tables.contiguous()
@@ -168,10 +166,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         o = F.scaled_dot_product_attention(q.view(n, num_heads, 1, head_dim), k, v,
                                            attn_mask=plan.decode_mask, scale=scale, enable_gqa=group > 1)
         o = o.view(n, num_heads, head_dim)
-        if plan.decode_out_rows is None:
+        if plan.decode_rows is None:
             out.copy_(o)
         else:
-            out.index_copy_(0, plan.decode_out_rows, o)
+            out.index_copy_(0, plan.decode_rows, o)
 
     for (_, start, q_len, seq_len), table in zip(plan.prefills, plan.prefill_block_tables):
         q = query[start:start + q_len].transpose(0, 1)  # [num_heads, q_len, d]
