@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -182,17 +183,17 @@ class EngineConfig:
             parser.add_argument("model", nargs="?", default=None,
                                 help="HF directory, .gguf file or hub name (default: SmolLM2-135M-Instruct)")
         defaults = cls()
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if not f.repr or f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = getattr(defaults, f.name)
-            if isinstance(default, bool):
+            # Optional[X] -> X: the flag parses the value type, None is simply the default.
+            kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+            if kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             else:
-                kind = {"max_model_len": int, "num_kv_blocks": int}.get(f.name, type(default))
-                if default is None and f.name not in ("max_model_len", "num_kv_blocks"):
-                    kind = str
                 parser.add_argument(flag, type=kind, default=default)
 
     @classmethod

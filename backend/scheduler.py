@@ -31,11 +31,14 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: Optional[int]
-    num_prompt_tokens: int
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 @dataclass
@@ -168,5 +171,4 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
-            num_prompt_tokens=request.num_prompt_tokens,
         )
