@@ -16,6 +16,7 @@ This module does not import torch; only ``generate`` (and ``backend``) pull it i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -211,8 +212,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BACKEND_COMMANDS = ("serve", "backend", "generate")  # the ones that run an engine
+
+
+def backend_installed() -> bool:
+    """True when the engine's dependencies (``tandem[backend]``: torch, ...) are installed."""
+    return importlib.util.find_spec("torch") is not None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in BACKEND_COMMANDS and not backend_installed():
+        print(f"error: `tandem {argv[0]}` runs an engine, which needs torch: this is a frontend-only "
+              "install. Install the backend with `pip install 'tandem[backend]'` (torch first, see "
+              "the README), or run `tandem frontend --backend HOST:PORT` against a backend elsewhere.",
+              file=sys.stderr)
+        return 2
     # backend and frontend keep their own parsers: hand them the rest untouched.
     if argv[:1] == ["backend"]:
         from backend.server import main as backend_main
