@@ -15,6 +15,11 @@ Attention is "varlen with paged KV": request i owns query rows
 and attends causally to its first ``seq_len`` cached tokens, the newest
 included. Single-token queries (decode) run together in one SDPA call over
 their gathered blocks; longer ones (prefill chunks) one request at a time.
+
+Two forms of a step's attention metadata exist: ``AttentionPlan`` (host-built
+index work for this file's SDPA path) and ``VarlenPlan`` (tensors only, what the
+Triton kernel reads and what a CUDA graph captures). ``paged_attention`` here
+takes either, so a replayed graph step also runs on the CPU.
 """
 
 from __future__ import annotations
@@ -53,8 +58,13 @@ def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int, attention_scaling
 
 
 def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX-style rotation (rotate halves) of the first rotary_dim dims of every head.
+                 cos_sin_cache: torch.Tensor, head_dim: int, is_neox: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first rotary_dim dims of every head; returns new (query, key).
+
+    NeoX style (``is_neox``) pairs dim i with dim i + rotary_dim / 2 (Llama's
+    "rotate half"); GPT-J style pairs dims 2i and 2i + 1. Pair i turns by
+    position * inv_freq[i] either way, so both read the same cache.
 
     positions: [num_tokens]; query: [num_tokens, num_heads * head_dim];
     key: [num_tokens, num_kv_heads * head_dim]; cos_sin_cache: [max_pos, rotary_dim].
@@ -68,9 +78,14 @@ def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
         num_tokens = x.shape[0]
         x = x.view(num_tokens, -1, head_dim)
         rot_dim = cos.shape[-1] * 2
-        x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-        x1, x2 = x_rot.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x_rot, x_pass = x[..., :rot_dim].float(), x[..., rot_dim:]
+        if is_neox:
+            x1, x2 = x_rot.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        out = out.to(x.dtype)
         if x_pass.shape[-1]:
             out = torch.cat([out, x_pass], dim=-1)
         return out.reshape(num_tokens, -1)
@@ -140,6 +155,39 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
     return plan
 
 
+@dataclass
+class VarlenPlan:
+    """A step's attention metadata as tensors only (the Triton kernel's input).
+
+    Nothing in it is host-side state derived from the values, so a CUDA graph can
+    capture kernels reading it and later steps refill the same tensors in place.
+    """
+
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32: tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    max_query_len: int
+    max_seq_len: int  # an upper bound of seq_lens (it fixes the KV split count)
+    num_splits: Optional[int] = None  # KV splits per request; None: the kernel decides
+
+
+def plan_varlen(block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int]) -> VarlenPlan:
+    """The VarlenPlan of a step; its tensors live on block_tables' device."""
+    device = block_tables.device
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return VarlenPlan(block_tables=block_tables.to(torch.int32),
+                      seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                      query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                      max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+def _plan_from_varlen(plan: VarlenPlan, block_size: int) -> AttentionPlan:
+    query_lens = plan.query_start_loc.diff().tolist()
+    return plan_attention(plan.block_tables.long(), plan.seq_lens.tolist(), query_lens, block_size)
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[num_blocks, block_size, kvh, d], block_ids[..., nb] -> [..., kvh, nb * block_size, d] (a view)."""
     gathered = cache.index_select(0, block_ids.reshape(-1))
@@ -147,11 +195,13 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan | VarlenPlan,
                     scale: float) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim]; key/value: this step's
     [num_tokens, num_kv_heads, head_dim], already written to the caches.
     Returns [num_tokens, num_heads, head_dim] in query's dtype."""
+    if isinstance(plan, VarlenPlan):
+        plan = _plan_from_varlen(plan, k_cache.shape[1])
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads

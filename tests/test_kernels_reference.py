@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import kernels
+from kernel_cases import make_paged_batch
 from kernels import reference as R
 
 
@@ -26,44 +25,18 @@ def dense_causal_attention(q, k, v, scale):
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_paged_attention_mixed_batch_matches_dense(dtype, atol):
-    torch.manual_seed(0)
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 64
     # (tokens already cached, tokens computed this step): decodes, a fresh prompt, a chunk after a prefix
-    shapes = [(9, 1), (0, 7), (13, 5), (3, 1), (0, 1)]
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    free = torch.randperm(num_blocks).tolist()
-    queries, keys, values, slots, tables, seq_lens, query_lens, full_kv = [], [], [], [], [], [], [], []
-    for cached, new in shapes:
-        seq_len = cached + new
-        table = [free.pop() for _ in range(math.ceil(seq_len / block_size))]
-        k_all = torch.randn(seq_len, num_kv_heads, head_dim, dtype=dtype)
-        v_all = torch.randn(seq_len, num_kv_heads, head_dim, dtype=dtype)
-        slot_of = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        # Earlier steps wrote the cached part; this step writes the new part itself.
-        R.write_kv_cache(k_all[:cached], v_all[:cached], k_cache, v_cache, torch.tensor(slot_of[:cached], dtype=torch.long))
-        queries.append(torch.randn(new, num_heads, head_dim, dtype=dtype))
-        keys.append(k_all[cached:])
-        values.append(v_all[cached:])
-        slots += slot_of[cached:]
-        tables.append(table)
-        seq_lens.append(seq_len)
-        query_lens.append(new)
-        full_kv.append((k_all, v_all))
-    q, k, v = torch.cat(queries), torch.cat(keys), torch.cat(values)
-    R.write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots, dtype=torch.long))
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    plan = R.plan_attention(block_tables, seq_lens, query_lens, block_size)
+    b = make_paged_batch([(9, 1), (0, 7), (13, 5), (3, 1), (0, 1)], 6, 2, 16, 4, dtype)
+    plan = b.plan()
     assert plan.num_decodes == 3 and len(plan.prefills) == 2
-    scale = head_dim ** -0.5
-    out = R.paged_attention(q, k, v, k_cache, v_cache, plan, scale)
-    assert out.shape == q.shape and out.dtype == dtype
+    scale = 16 ** -0.5
+    out = R.paged_attention(b.query, b.key, b.value, b.k_cache, b.v_cache, plan, scale)
+    assert out.shape == b.query.shape and out.dtype == dtype
     start = 0
-    for (k_all, v_all), q_i in zip(full_kv, queries):
-        expected = dense_causal_attention(q_i, k_all, v_all, scale)
-        torch.testing.assert_close(out[start:start + len(q_i)].double(), expected, atol=atol, rtol=atol)
-        start += len(q_i)
+    for (k_all, v_all), q_len in zip(b.full_kv, b.query_lens):
+        expected = dense_causal_attention(b.query[start:start + q_len], k_all, v_all, scale)
+        torch.testing.assert_close(out[start:start + q_len].double(), expected, atol=atol, rtol=atol)
+        start += q_len
 
 
 def test_write_kv_cache_places_each_token_in_its_slot():

@@ -1,0 +1,238 @@
+"""Triton paged attention: one varlen kernel for prefill chunks and decodes, plus a split-KV merge.
+
+Request i owns query rows ``query_start_loc[i]:query_start_loc[i + 1]`` (its newest
+``q_len`` tokens, at positions ``seq_len - q_len ...``) and attends causally to the
+first ``seq_len`` tokens of its paged KV cache, this step's included (the cache
+write runs first). That one rule covers decodes, fresh prompts, chunks after a
+prefix hit and chunks after earlier chunks.
+
+One program handles (request, query tile, KV head, KV split). Its tile packs the
+GROUP query heads sharing the KV head (GQA) with BLOCK_Q query tokens, so each K/V
+tile is read once for all of them::
+
+    tile row r:  token = tile * BLOCK_Q + r // GROUP,  head = kv_head * GROUP + r % GROUP
+    KV token n:  cache slot = block_tables[i, n // block_size] * block_size + n % block_size
+
+It streams K/V in TILE_N-token tiles gathered through the block table, with an
+online softmax (running max and sum, in the exp2 domain). With one split it
+writes the normalized output. Decode batches with long contexts and too few
+(request, KV head) programs to fill the GPU split each context into partitions
+("flash-decoding"): every split writes its unnormalized accumulator, max and sum,
+and ``_merge_splits_kernel`` combines them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import VarlenPlan
+
+# The interpreter's tl.dot mishandles bf16 operands; there the kernel upcasts them
+# first. bf16 x bf16 products are exact in fp32, so this computes what tensor cores do.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+TILE_N = 64  # KV tokens per inner-loop tile
+MIN_PARTITION = 256  # fewest KV tokens per split worth a second kernel
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attention_kernel(
+        out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        scale_log2, tiles_per_req, partition_size, num_heads, num_splits,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_bt,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    req = tl.program_id(0) // tiles_per_req
+    tile = tl.program_id(0) % tiles_per_req
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    if tile * BLOCK_Q >= q_len:
+        return
+    context = seq_len - q_len  # tokens cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    token = tile * BLOCK_Q + rows // GROUP  # [BLOCK_M] query token within the request
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    q_pos = context + token  # [BLOCK_M] position each row sits at (sees keys <= it)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # This split's KV range, cut at the tile's last (causal) position.
+    last_pos = context + tl.minimum(q_len, (tile + 1) * BLOCK_Q) - 1
+    kv_begin = split * partition_size
+    kv_end = tl.minimum(tl.minimum(seq_len, last_pos + 1), kv_begin + partition_size)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for start in range(kv_begin, kv_end, TILE):
+        n = start + tl.arange(0, TILE)  # [TILE] KV token index
+        n_ok = n < kv_end
+        block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        in_block = n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_kr
+                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)  # [TILE, HEAD_DIM_PAD]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vr
+                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE]
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(v.dtype)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_rows = q_start + token
+    if SPLIT:
+        # Decode batches only: token row == request, [num_tokens, num_heads, num_splits(, HEAD_DIM)].
+        idx = (out_rows * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(split_acc_ptr + idx[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(split_max_ptr + idx, m_i, mask=row_ok)
+        tl.store(split_sum_ptr + idx, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + out_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, seq_lens_ptr,
+                         partition_size, num_heads, num_splits, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One program per (decode token, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - max m)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + token)
+    splits = tl.arange(0, SPLITS_PAD)
+    live = splits < tl.minimum(num_splits, tl.cdiv(seq_len, partition_size))  # splits that ran
+    base = (token * num_heads + head) * num_splits
+    m = tl.load(split_max_ptr + base + splits, mask=live, other=float("-inf"))
+    m_max = tl.max(m, axis=0)
+    w = tl.where(live, tl.exp2(m - m_max), 0.0)  # [SPLITS_PAD]
+    total = tl.sum(w * tl.load(split_sum_ptr + base + splits, mask=live, other=0.0), axis=0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.load(split_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=live[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_layout(plan: VarlenPlan, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """(num_splits, partition_size) for a plan: split only decode batches whose
+    (request, KV head) programs would leave most SMs idle. Depends on the plan's
+    Python ints alone, so a captured graph and its replays agree."""
+    num_reqs = plan.seq_lens.shape[0]
+    splits = plan.num_splits
+    if splits is None:
+        splits = 1
+        programs = num_reqs * num_kv_heads
+        sms = _num_sms(device)
+        if plan.max_query_len == 1 and programs < sms:
+            splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(plan.max_seq_len, MIN_PARTITION),
+                         MAX_SPLITS)
+    if splits <= 1:
+        return 1, triton.cdiv(plan.max_seq_len, TILE_N) * TILE_N
+    partition = triton.cdiv(triton.cdiv(plan.max_seq_len, splits), TILE_N) * TILE_N
+    return triton.cdiv(plan.max_seq_len, partition), partition
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, plan: VarlenPlan,
+                    scale: float) -> torch.Tensor:
+    """Same contract as ``kernels.reference.paged_attention`` (``key``/``value`` are
+    read back from the caches, where this step's were written).
+
+    query: [num_tokens, num_heads, head_dim], last dim contiguous;
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
+    query's dtype. Returns [num_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit "
+                         f"query {tuple(query.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if not (k_cache.dtype == v_cache.dtype == query.dtype):
+        raise ValueError(f"dtypes differ: query {query.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if query.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("query's last dim and the caches must be contiguous")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        t = getattr(plan, name)
+        if t.dtype != torch.int32 or t.device != query.device:
+            raise ValueError(f"plan.{name} must be int32 on {query.device}; got {t.dtype} on {t.device}")
+    num_reqs = plan.seq_lens.shape[0]
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_q = 1 if plan.max_query_len == 1 else max(1, 64 // group)
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    tiles_per_req = triton.cdiv(plan.max_query_len, block_q)
+    num_splits, partition = split_layout(plan, num_kv_heads, query.device)
+    if num_splits > 1 and (plan.max_query_len != 1 or num_tokens != num_reqs):
+        raise ValueError("KV splits are for decode batches (one query token per request)")
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    split_acc = split_max = split_sum = out  # unused without splits
+    if num_splits > 1:
+        split_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+                                device=query.device)
+        split_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        split_sum = torch.empty_like(split_max)
+
+    grid = (num_reqs * tiles_per_req, num_kv_heads, num_splits)
+    _attention_kernel[grid](
+        out, split_acc, split_max, split_sum,
+        query, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc,
+        scale * LOG2E, tiles_per_req, partition, num_heads, num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), plan.block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE_N, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT=num_splits > 1,
+        UPCAST=INTERPRET and query.dtype != torch.float32,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, split_acc, split_max, split_sum, plan.seq_lens, partition, num_heads, num_splits,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+    return out

@@ -1,0 +1,141 @@
+"""Every Triton kernel against its plain-torch twin in kernels.reference.
+
+Without CUDA they run under TRITON_INTERPRET=1 (set by conftest.py) on CPU
+tensors, so shapes stay small; with CUDA the same cases run compiled. The
+realistic shapes are in test_gpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import make_paged_batch
+from kernels import reference as R
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (dtype, atol=rtol): fp32 dots are IEEE (no TF32), so only summation order differs.
+TOLERANCES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    from kernels import attention, cache_ops, norms, rotary
+
+    return attention, cache_ops, norms, rotary
+
+
+# (tokens cached before, tokens this step): decodes at several context lengths (one
+# exactly at a block edge, one past a 64-token KV tile), a fresh prompt, chunks after
+# prefix hits that start and end mid-block.
+MIXED = [(9, 1), (0, 7), (70, 19), (31, 1), (0, 1), (16, 1), (5, 12)]
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
+    (6, 2, 16, 4),  # GQA, 3 query heads per KV head
+    (4, 4, 32, 16),  # MHA
+    (8, 1, 24, 8),  # MQA, a head_dim that is not a power of two
+])
+def test_paged_attention_mixed_batch(triton_kernels, dtype, tol, heads, kv_heads, head_dim, block_size):
+    attention = triton_kernels[0]
+    b = make_paged_batch(MIXED, heads, kv_heads, head_dim, block_size, dtype, DEVICE)
+    scale = head_dim ** -0.5
+    got = attention.paged_attention(b.query, b.key, b.value, b.k_cache, b.v_cache, b.varlen_plan(), scale)
+    b_cpu = make_paged_batch(MIXED, heads, kv_heads, head_dim, block_size, dtype, "cpu")
+    want = R.paged_attention(b_cpu.query, b_cpu.key, b_cpu.value, b_cpu.k_cache, b_cpu.v_cache,
+                             b_cpu.plan(), scale)
+    assert got.shape == b.query.shape and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+def test_split_kv_decode_matches_one_pass(triton_kernels, dtype, tol):
+    """Decodes only, contexts cut into 64-token partitions: split count 1, 2 and 4."""
+    attention = triton_kernels[0]
+    shapes = [(200, 1), (3, 1), (64, 1), (129, 1)]
+    b = make_paged_batch(shapes, 6, 2, 16, 16, dtype, DEVICE)
+    scale = 0.25
+    want = R.paged_attention(b.query.cpu(), b.key.cpu(), b.value.cpu(), b.k_cache.cpu(), b.v_cache.cpu(),
+                             make_paged_batch(shapes, 6, 2, 16, 16, dtype).plan(), scale)
+    for splits in (1, 2, 4):
+        plan = b.varlen_plan(num_splits=splits)
+        assert attention.split_layout(plan, 2, b.query.device)[0] == splits
+        got = attention.paged_attention(b.query, b.key, b.value, b.k_cache, b.v_cache, plan, scale)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_reference_runs_a_varlen_plan():
+    """The reference takes the Triton kernel's metadata form too (a replayed graph on the CPU)."""
+    b = make_paged_batch(MIXED, 6, 2, 16, 4)
+    via_varlen = R.paged_attention(b.query, b.key, b.value, b.k_cache, b.v_cache, b.varlen_plan(), 0.25)
+    direct = R.paged_attention(b.query, b.key, b.value, b.k_cache, b.v_cache, b.plan(), 0.25)
+    torch.testing.assert_close(via_varlen, direct, atol=0, rtol=0)
+
+
+def test_attention_refuses_mismatched_inputs(triton_kernels):
+    attention = triton_kernels[0]
+    b = make_paged_batch([(3, 1)], 4, 2, 16, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        attention.paged_attention(b.query, b.key, b.value, b.k_cache, b.v_cache,
+                                  b.varlen_plan(block_tables=b.block_tables.long()), 0.25)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        attention.paged_attention(b.query.double(), b.key, b.value, b.k_cache, b.v_cache, b.varlen_plan(), 0.25)
+    with pytest.raises(ValueError, match="group"):
+        attention.paged_attention(b.query[:, :3], b.key, b.value, b.k_cache, b.v_cache, b.varlen_plan(), 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_from_strided_views(triton_kernels, dtype):
+    cache_ops = triton_kernels[1]
+    num_tokens, kvh, d, block_size = 7, 3, 16, 4
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(num_tokens, (2 + 2 * kvh) * d, generator=g).to(dtype)  # q | k | v like a fused QKV
+    key = qkv[:, 2 * d:(2 + kvh) * d].view(num_tokens, kvh, d)
+    value = qkv[:, (2 + kvh) * d:].view(num_tokens, kvh, d)
+    slots = torch.tensor([0, 5, 6, 31, 12, 13, 22])
+    caches = [torch.zeros(8, block_size, kvh, d, dtype=dtype) for _ in range(4)]
+    R.write_kv_cache(key, value, caches[0], caches[1], slots)
+    dev = [c.to(DEVICE) for c in caches[2:]]
+    cache_ops.write_kv_cache(key.to(DEVICE), value.to(DEVICE), dev[0], dev[1], slots.to(DEVICE).int())
+    assert torch.equal(dev[0].cpu(), caches[0]) and torch.equal(dev[1].cpu(), caches[1])
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+@pytest.mark.parametrize("hidden", [64, 72])
+def test_rms_norm_and_fused_add(triton_kernels, dtype, tol, hidden):
+    norms = triton_kernels[2]
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(5, hidden, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(hidden, generator=g).to(dtype)
+    got = norms.rms_norm(x.to(DEVICE), weight.to(DEVICE), 1e-6)
+    torch.testing.assert_close(got.cpu(), R.rms_norm(x, weight, 1e-6), atol=tol, rtol=tol)
+    normed, summed = norms.fused_add_rms_norm(x.to(DEVICE), residual.to(DEVICE), weight.to(DEVICE), 1e-6)
+    want_normed, want_summed = R.fused_add_rms_norm(x, residual, weight, 1e-6)
+    if DEVICE == "cuda":
+        assert torch.equal(summed.cpu(), want_summed)  # the add rounds exactly as torch's
+    else:  # the interpreter rounds fp32 -> bf16 toward zero, not to nearest: one ulp apart
+        torch.testing.assert_close(summed, want_summed, atol=1e-6, rtol=2 ** -7)
+    torch.testing.assert_close(normed.cpu(), want_normed, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
+def test_rotary_in_place_on_qkv_views(triton_kernels, dtype, tol, is_neox, rotary_dim):
+    rotary = triton_kernels[3]
+    num_tokens, heads, kvh, d = 6, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    cache = R.rotary_cos_sin(inv_freq, 64)
+    positions = torch.tensor([0, 1, 17, 63, 5, 40])
+    qkv = torch.randn(num_tokens, (heads + 2 * kvh) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    want_q, want_k = R.apply_rotary(positions, q, k, cache, d, is_neox)
+    dev = qkv.to(DEVICE)
+    dq, dk, dv = dev.split([heads * d, kvh * d, kvh * d], dim=-1)
+    out_q, out_k = rotary.apply_rotary(positions.to(DEVICE), dq, dk, cache.to(DEVICE), d, is_neox)
+    assert out_q.data_ptr() == dq.data_ptr() and out_k.data_ptr() == dk.data_ptr()  # in place
+    torch.testing.assert_close(dq.cpu(), want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(dk.cpu(), want_k, atol=tol, rtol=tol)
+    assert torch.equal(dv.cpu(), v)
