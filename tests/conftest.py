@@ -6,12 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-
-# Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. Triton
-# reads this when a kernel module is imported, so it is set before any test imports one.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 384
 CORPUS = [
@@ -92,7 +86,18 @@ def default_model_dir() -> Path:
     return resolve_model(None, cache_dir=EngineConfig().cache_dir)
 
 
+def pytest_configure(config):
+    import torch
+
+    # Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. Triton
+    # reads this when a kernel module is imported, so it is set before any test module loads.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
+    import torch
+
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device (a CPU twin covers this)")
         for item in items:
