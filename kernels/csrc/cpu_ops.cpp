@@ -1,0 +1,389 @@
+// Tandem's CPU kernels: the fused twins of kernels/reference.py for CPU tensors.
+//
+// Built once per machine by kernels/cpu.py (g++ -O3 -march=native, cached) and
+// registered as torch.ops.tandem_cpu.*. Every op works on float, bfloat16 and
+// half tensors and accumulates in float. Parallel loops use ATen's thread pool
+// (at::parallel_for), so they share torch's OpenMP team: a second team on a
+// couple of cores slows both down.
+//
+// KV-cache layout (one tensor per layer for K, one for V):
+//     cache[num_blocks, block_size, num_kv_heads, head_dim]
+//     token p of a request -> block block_table[p / block_size], row p % block_size
+//
+// Compiled with -ffp-contract=off: the elementwise ops round after each
+// multiply and add exactly as the torch reference does (no fused multiply-add),
+// so in fp32 rotary and norms give the reference's bits. Attention uses explicit
+// fmaf where speed matters more than bit-equality with SDPA (which is not
+// bit-equal to anything either).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+#define TANDEM_DISPATCH(dtype, NAME, ...)                                           \
+  [&] {                                                                             \
+    switch (dtype) {                                                                \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }            \
+      case at::kBFloat16: { using scalar_t = c10::BFloat16; return __VA_ARGS__(); } \
+      case at::kHalf: { using scalar_t = c10::Half; return __VA_ARGS__(); }         \
+      default: TORCH_CHECK(false, NAME, ": unsupported dtype ", dtype);             \
+    }                                                                               \
+  }()
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// ---- attention --------------------------------------------------------------------
+
+// Dot product of two float rows of length n, 8 independent lanes (vectorizes without
+// -ffast-math).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) lane[j] = std::fmaf(a[i + j], b[i + j], lane[j]);
+  float s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; i < n; ++i) s = std::fmaf(a[i], b[i], s);
+  return s;
+}
+
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+template <>
+inline void load_row<float>(float* dst, const float* src, int64_t n) {
+  std::copy(src, src + n, dst);
+}
+
+// One work item: one query token and one KV head, i.e. the `group` query heads that share it.
+// Scores for keys 0..len-1 are computed block by block straight from the cache (no gather),
+// softmaxed, then V is accumulated the same way.
+template <typename T>
+void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+                int64_t len, int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
+                int64_t num_kv_heads, float scale, std::vector<float>& scratch) {
+  const int64_t row_stride = num_kv_heads * head_dim;  // between tokens of one block
+  const int64_t block_stride = block_size * row_stride;
+  scratch.resize(group * len + (2 * group + 1) * head_dim + group);
+  float* scores = scratch.data();          // [group, len]
+  float* q = scores + group * len;         // [group, head_dim], pre-scaled
+  float* acc = q + group * head_dim;       // [group, head_dim]
+  float* kv_row = acc + group * head_dim;  // [head_dim]: a K or V row converted to float
+  float* inv_sum = kv_row + head_dim;      // [group]
+  std::fill(acc, acc + group * head_dim, 0.0f);
+
+  for (int64_t g = 0; g < group; ++g) {
+    const T* src = query + (kvh * group + g) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_f(src[d]) * scale;
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride
+                 + kvh * head_dim;
+    const float* kf;
+    if constexpr (std::is_same_v<T, float>) {
+      kf = k;
+    } else {
+      load_row(kv_row, k, head_dim);
+      kf = kv_row;
+    }
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * head_dim, kf, head_dim);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float m = *std::max_element(s, s + len);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride
+                 + kvh * head_dim;
+    const float* vf;
+    if constexpr (std::is_same_v<T, float>) {
+      vf = v;
+    } else {
+      load_row(kv_row, v, head_dim);
+      vf = kv_row;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + t];
+      float* a = acc + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] = std::fmaf(p, vf[d], a[d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* dst = out + (kvh * group + g) * head_dim;
+    const float* a = acc + g * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(a[d] * inv_sum[g]);
+  }
+}
+
+// out, query: [num_tokens, num_heads, head_dim] (rows may be strided, heads contiguous);
+// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
+// block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (tokens in the cache
+// after this step); query_start_loc: [num_reqs + 1] int32. Request r's query rows are the
+// newest tokens of its sequence and attend causally to its cached tokens.
+void paged_attention(Tensor out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                     const Tensor& block_tables, const Tensor& seq_lens,
+                     const Tensor& query_start_loc, double scale) {
+  for (const Tensor* t : {static_cast<const Tensor*>(&out), &query, &k_cache, &v_cache, &block_tables, &seq_lens, &query_start_loc})
+    check_cpu(*t, "paged_attention");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [num_tokens, heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "caches: contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, out and caches must share a dtype");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
+              out.stride(1) == out.size(2), "query/out: each token's heads must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+              seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+              seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "block_tables, seq_lens, query_start_loc: contiguous int32");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_reqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.size(0) >= num_reqs,
+              "one seq_len and one block table per request");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_reqs] == num_tokens, "query_start_loc must cover the tokens");
+  // token -> request, checked once (the work items below trust it).
+  std::vector<int32_t> req_of(num_tokens);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[r] && lens[r] <= max_blocks * block_size,
+                "request ", r, ": bad query length or seq_len");
+    for (int64_t i = qsl[r]; i < qsl[r + 1]; ++i) req_of[i] = static_cast<int32_t>(r);
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t r = 0; r < num_reqs; ++r)
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[r * max_blocks + b] >= 0 && tables[r * max_blocks + b] < num_blocks,
+                  "block table of request ", r, " holds an invalid block ID");
+  TANDEM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
+    at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t tok = item / num_kv_heads, kvh = item % num_kv_heads;
+        const int64_t r = req_of[tok];
+        const int64_t q_len = qsl[r + 1] - qsl[r];
+        const int64_t len = lens[r] - q_len + (tok - qsl[r]) + 1;  // keys this row sees
+        attend_one(o + tok * o_stride, q + tok * q_stride, kc, vc, tables + r * max_blocks, len,
+                   kvh, group, head_dim, block_size, num_kv_heads, static_cast<float>(scale), scratch);
+      }
+    });
+  });
+}
+
+// ---- KV cache ---------------------------------------------------------------------
+
+// key, value: [num_tokens, num_kv_heads, head_dim] (rows may be strided); slot_mapping:
+// [num_tokens] int64 -> rows of cache.view(-1, num_kv_heads, head_dim).
+void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tensor v_cache,
+                    const Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value: [num_tokens, kv_heads, dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == key.size(1) &&
+              k_cache.size(3) == key.size(2), "caches: contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key/value must have the caches' dtype");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2), "key/value: each token's heads must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.size(0) == key.size(0), "slot_mapping: [num_tokens] int64");
+  const int64_t num_tokens = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tokens; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
+  TANDEM_DISPATCH(key.scalar_type(), "write_kv_cache", [&] {
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      std::copy(k + i * key.stride(0), k + i * key.stride(0) + row, kc + slots[i] * row);
+      std::copy(v + i * value.stride(0), v + i * value.stride(0) + row, vc + slots[i] * row);
+    }
+  });
+}
+
+// ---- norms ------------------------------------------------------------------------
+
+// HF's order: normalize in fp32, cast to the dtype, then scale by the weight (in the dtype).
+template <typename T>
+inline void rms_norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) {
+      const float v = to_f(x[i + j]);
+      lane[j] += v * v;
+    }
+  float ss = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k)
+    out[k] = static_cast<T>(to_f(weight[k]) * to_f(static_cast<T>(to_f(x[k]) * inv)));
+}
+
+void check_rows(const Tensor& t, const Tensor& weight, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.size(1) == weight.size(0), name,
+              ": [num_tokens, hidden] with contiguous rows, hidden = weight's size");
+  TORCH_CHECK(t.scalar_type() == weight.scalar_type() && weight.is_contiguous(), name,
+              ": weight must be contiguous, of the input's dtype");
+}
+
+// out = rms_norm(x) * weight; x, out: [num_tokens, hidden].
+void rms_norm(Tensor out, const Tensor& x, const Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  check_rows(out, weight, "rms_norm");
+  TANDEM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    const int64_t n = x.size(1);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        rms_norm_row(out.data_ptr<scalar_t>() + i * out.stride(0), x.data_ptr<scalar_t>() + i * x.stride(0),
+                     weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
+    });
+  });
+}
+
+// In place: residual = x + residual; x = rms_norm(residual) * weight.
+void fused_add_rms_norm(Tensor x, Tensor residual, const Tensor& weight, double eps) {
+  check_rows(x, weight, "fused_add_rms_norm");
+  check_rows(residual, weight, "fused_add_rms_norm");
+  TORCH_CHECK(x.size(0) == residual.size(0), "fused_add_rms_norm: x and residual differ in rows");
+  TANDEM_DISPATCH(x.scalar_type(), "fused_add_rms_norm", [&] {
+    const int64_t n = x.size(1);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* xr = x.data_ptr<scalar_t>() + i * x.stride(0);
+        scalar_t* rr = residual.data_ptr<scalar_t>() + i * residual.stride(0);
+        for (int64_t k = 0; k < n; ++k) rr[k] = static_cast<scalar_t>(to_f(xr[k]) + to_f(rr[k]));
+        rms_norm_row(xr, rr, weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// ---- rotary embedding ---------------------------------------------------------------
+
+// In place on query [num_tokens, num_heads * head_dim] and key [num_tokens, num_kv_heads *
+// head_dim] (rows may be strided: views into the fused QKV output). cos_sin_cache:
+// [max_positions, rotary_dim] fp32 = cos | sin. NeoX pairs dim i with i + rotary_dim / 2,
+// GPT-J pairs 2i with 2i + 1.
+template <typename T>
+inline void rotate_head(T* x, const float* cos, const float* sin, int64_t half, bool is_neox) {
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = is_neox ? i : 2 * i, b = is_neox ? i + half : 2 * i + 1;
+    const float x1 = to_f(x[a]), x2 = to_f(x[b]);
+    const float c = cos[i], s = sin[i];
+    const float p = x1 * c, q = x2 * s, r = x2 * c, t = x1 * s;  // rounded apart, as the reference
+    x[a] = static_cast<T>(p - q);
+    x[b] = static_cast<T>(r + t);
+  }
+}
+
+void rotary_embedding(const Tensor& positions, Tensor query, Tensor key, const Tensor& cos_sin_cache,
+                      int64_t head_dim, bool is_neox) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+              cos_sin_cache.dim() == 2, "cos_sin_cache: contiguous fp32 [max_positions, rotary_dim]");
+  TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.stride(1) == 1 && key.stride(1) == 1 &&
+              query.size(0) == positions.size(0) && key.size(0) == positions.size(0) &&
+              query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0,
+              "query/key: [num_tokens, heads * head_dim] with contiguous rows");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
+  const int64_t rot = cos_sin_cache.size(1), half = rot / 2;
+  TORCH_CHECK(rot % 2 == 0 && rot <= head_dim, "rotary_dim must be even and <= head_dim");
+  const int64_t num_tokens = positions.size(0), max_pos = cos_sin_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tokens; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position ", pos[i], " is outside the rotary table");
+  const int64_t q_heads = query.size(1) / head_dim, k_heads = key.size(1) / head_dim;
+  TANDEM_DISPATCH(query.scalar_type(), "rotary_embedding", [&] {
+    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float* cos = cos_sin_cache.data_ptr<float>() + pos[i] * rot;
+        const float* sin = cos + half;
+        scalar_t* q = query.data_ptr<scalar_t>() + i * query.stride(0);
+        scalar_t* k = key.data_ptr<scalar_t>() + i * key.stride(0);
+        for (int64_t h = 0; h < q_heads; ++h) rotate_head(q + h * head_dim, cos, sin, half, is_neox);
+        for (int64_t h = 0; h < k_heads; ++h) rotate_head(k + h * head_dim, cos, sin, half, is_neox);
+      }
+    });
+  });
+}
+
+// ---- activations ------------------------------------------------------------------
+
+// x: [num_tokens, 2 * d] = gate | up -> out [num_tokens, d] = silu(gate) * up.
+void silu_and_mul(Tensor out, const Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0) &&
+              x.stride(1) == 1 && out.is_contiguous() && x.scalar_type() == out.scalar_type(),
+              "silu_and_mul: x [num_tokens, 2 * d], out [num_tokens, d] contiguous, one dtype");
+  TANDEM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    const int64_t d = out.size(1);
+    at::parallel_for(0, x.size(0), 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* g = x.data_ptr<scalar_t>() + i * x.stride(0);
+        const scalar_t* u = g + d;
+        scalar_t* o = out.data_ptr<scalar_t>() + i * d;
+        for (int64_t k = 0; k < d; ++k) {
+          const float v = to_f(g[k]);
+          const float s = static_cast<float>(static_cast<scalar_t>(v / (1.0f + std::exp(-v))));
+          o[k] = static_cast<scalar_t>(s * to_f(u[k]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
+        "int head_dim, bool is_neox) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
