@@ -89,10 +89,10 @@ class ModelRunner:
         return max(1, min(num_blocks, max_useful))
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate and bind each layer's K and V cache: [num_blocks, block_size, kvh, head_dim]."""
+        """Allocate and bind each layer's K and V cache (layout: ``kernels.kv_cache_shape``)."""
         self.kv_caches = []
         for layer in self.attn_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = kernels.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
                   torch.zeros(shape, dtype=self.dtype, device=self.device))
             layer.kv_cache = kv

@@ -180,11 +180,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     read back from the caches, where this step's were written).
 
     query: [num_tokens, num_heads, head_dim], last dim contiguous;
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (``kv_cache_shape``), contiguous,
     query's dtype. Returns [num_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit "
                          f"query {tuple(query.shape)}")
@@ -224,8 +224,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc,
         scale * LOG2E, tiles_per_req, partition, num_heads, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), plan.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),  # block, row, head
+        v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), plan.block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE_N, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT=num_splits > 1,
         UPCAST=INTERPRET and query.dtype != torch.float32,

@@ -1,7 +1,7 @@
 """Triton KV-cache write by slot mapping: one program per token copies all its KV heads.
 
-Layout as in kernels/reference.py: cache[num_blocks, block_size, num_kv_heads, head_dim],
-slot = block_id * block_size + row.
+Layout as in kernels/reference.py: cache[num_blocks, num_kv_heads, block_size, head_dim],
+slot = block_id * block_size + row -> cache[block_id, :, row, :].
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import triton.language as tl
 
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads,
+                     stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads, block_size,
                      HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, DIM_PAD)[None, :]
     mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
-    dst = slot * num_kv_heads * HEAD_DIM + heads * HEAD_DIM + dims  # a slot's rows are contiguous
+    block, row = slot // block_size, slot % block_size
+    dst = ((block * num_kv_heads + heads) * block_size + row) * HEAD_DIM + dims
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -32,7 +33,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """key/value: [num_tokens, num_kv_heads, head_dim] (any token/head strides, contiguous
     last dim) -> the caches' slots in slot_mapping [num_tokens] (int32 or int64)."""
     num_tokens, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape or k_cache.shape[-2:] != (num_kv_heads, head_dim) \
+    if value.shape != key.shape or (k_cache.shape[1], k_cache.shape[3]) != (num_kv_heads, head_dim) \
             or v_cache.shape != k_cache.shape:
         raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not fit caches "
                          f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)}")
@@ -44,5 +45,5 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     if num_tokens:
         _write_kv_kernel[(num_tokens,)](
             key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1),
-            value.stride(0), value.stride(1), num_kv_heads, HEAD_DIM=head_dim,
+            value.stride(0), value.stride(1), num_kv_heads, k_cache.shape[2], HEAD_DIM=head_dim,
             HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim))

@@ -26,8 +26,9 @@ def test_kernels_are_built():
 def _batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    shape = reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
     # Block IDs shuffled so requests' blocks are not adjacent.
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, next_block = [], 0
@@ -57,8 +58,8 @@ def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads):
     row = 0
     for q_len, s, table in zip(query_lens, seq_lens, block_tables.tolist()):
         for p in range(s - q_len, s):
-            key[row] = k_cache[table[p // block_size], p % block_size]
-            value[row] = v_cache[table[p // block_size], p % block_size]
+            key[row] = k_cache[table[p // block_size], :, p % block_size]
+            value[row] = v_cache[table[p // block_size], :, p % block_size]
             row += 1
     scale = head_dim ** -0.5
     plan = reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
@@ -96,7 +97,7 @@ def test_write_kv_cache_matches_reference(dtype):
     key = qkv[:, 16:32].view(6, 2, 8)  # strided views, as the models pass them
     value = qkv[:, 32:].view(6, 2, 8)
     slots = torch.tensor([3, 4, 9, 17, 0, 22])
-    caches = [torch.zeros(6, 4, 2, 8, dtype=dtype) for _ in range(4)]
+    caches = [torch.zeros(reference.kv_cache_shape(6, 4, 2, 8), dtype=dtype) for _ in range(4)]
     reference.write_kv_cache(key, value, caches[0], caches[1], slots)
     cpu.write_kv_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

@@ -32,7 +32,7 @@ class Attention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends over the cache.
 
     The model runner binds ``kv_cache`` = (k_cache, v_cache), each
-    [num_blocks, block_size, num_kv_heads, head_dim] (see kernels/reference.py),
+    ``kernels.kv_cache_shape`` (see kernels/reference.py),
     before the first step.
     """
 

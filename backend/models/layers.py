@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -91,8 +90,7 @@ class MergedLinear(nn.Linear):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return kernels.silu_and_mul(x)
 
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)

@@ -6,15 +6,15 @@
 // (at::parallel_for), so they share torch's OpenMP team: a second team on a
 // couple of cores slows both down.
 //
-// KV-cache layout (one tensor per layer for K, one for V):
-//     cache[num_blocks, block_size, num_kv_heads, head_dim]
+// KV-cache layout (one tensor per layer for K, one for V), head-major inside a block:
+//     cache[num_blocks, num_kv_heads, block_size, head_dim]
 //     token p of a request -> block block_table[p / block_size], row p % block_size
+// so one (block, KV head) is one contiguous block_size * head_dim run that attention streams.
 //
 // Compiled with -ffp-contract=off: the elementwise ops round after each
 // multiply and add exactly as the torch reference does (no fused multiply-add),
-// so in fp32 rotary and norms give the reference's bits. Attention uses explicit
-// fmaf where speed matters more than bit-equality with SDPA (which is not
-// bit-equal to anything either).
+// so in fp32 rotary and norms give the reference's bits. Attention and SiLU use a
+// polynomial exp (~1 ulp) that vectorizes; neither is bit-equal to torch's.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -47,98 +48,195 @@ void check_cpu(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
-// ---- attention --------------------------------------------------------------------
+// ---- SIMD helpers ---------------------------------------------------------------------
+// GCC/Clang vector extensions: 8 floats, compiled to whatever the target has (AVX2, 2 x SSE,
+// NEON). Explicit, because the auto-vectorizer leaves the reductions below scalar.
 
-// Dot product of two float rows of length n, 8 independent lanes (vectorizes without
-// -ffast-math).
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) lane[j] = std::fmaf(a[i + j], b[i + j], lane[j]);
-  float s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-  for (; i < n; ++i) s = std::fmaf(a[i], b[i], s);
-  return s;
+using vf = float __attribute__((vector_size(32)));
+using vi = int32_t __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+inline float hsum(vf v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+// exp(x) to ~1 ulp for x in [-87, 88] (Cephes' single-precision polynomial), lane-wise.
+inline vf vexp(vf x) {
+  x = x < vsplat(88.0f) ? x : vsplat(88.0f);
+  x = x > vsplat(-87.0f) ? x : vsplat(-87.0f);
+  // n = round(x / ln 2) as floor(t + 0.5), computed by truncation of a positive shifted value
+  const vf t = x * vsplat(1.44269504088896341f) + vsplat(128.5f);
+  const vi n = __builtin_convertvector(t, vi) - 128;
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = (x - nf * vsplat(0.693359375f)) - nf * vsplat(-2.12194440e-4f);
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + vsplat(1.3981999507e-3f);
+  p = p * r + vsplat(8.3334519073e-3f);
+  p = p * r + vsplat(4.1665795894e-2f);
+  p = p * r + vsplat(1.6666665459e-1f);
+  p = p * r + vsplat(5.0000001201e-1f);
+  p = p * r * r + r + vsplat(1.0f);
+  vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float exp_scalar(float x) {
+  vf v = vexp(vsplat(x));
+  return v[0];
+}
+
+// dst[0:n] = src[0:n] as float.
 template <typename T>
 inline void load_row(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
 template <>
-inline void load_row<float>(float* dst, const float* src, int64_t n) {
-  std::copy(src, src + n, dst);
+inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &word, sizeof word);
+  }
 }
 
+// A cached K or V row as floats: the cache itself for float, else converted into buf.
+template <typename T>
+inline const float* row_as_float(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    load_row(buf, row, n);
+    return buf;
+  }
+}
+
+// out[g * out_stride] = q[g] . k for N query heads at once (N independent accumulators).
+template <int N>
+inline void dots_tile(float* out, int64_t out_stride, const float* q, const float* k, int64_t d) {
+  vf acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = vsplat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    const vf kv = vload(k + i);
+    for (int j = 0; j < N; ++j) acc[j] += vload(q + j * d + i) * kv;
+  }
+  for (int j = 0; j < N; ++j) {
+    float s = hsum(acc[j]);
+    for (int64_t r = i; r < d; ++r) s += q[j * d + r] * k[r];
+    out[j * out_stride] = s;
+  }
+}
+
+// Scores of one key row against the `group` query heads q [group, d].
+inline void dots(float* out, int64_t out_stride, const float* q, const float* k, int64_t group, int64_t d) {
+  int64_t g = 0;
+  for (; g + 4 <= group; g += 4) dots_tile<4>(out + g * out_stride, out_stride, q + g * d, k, d);
+  switch (group - g) {
+    case 3: dots_tile<3>(out + g * out_stride, out_stride, q + g * d, k, d); break;
+    case 2: dots_tile<2>(out + g * out_stride, out_stride, q + g * d, k, d); break;
+    case 1: dots_tile<1>(out + g * out_stride, out_stride, q + g * d, k, d); break;
+    default: break;
+  }
+}
+
+// x[i] = exp(x[i] - shift); returns the sum.
+inline float exp_shifted_inplace(float* x, int64_t n, float shift) {
+  vf sum = vsplat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf e = vexp(vload(x + i) - vsplat(shift));
+    vstore(x + i, e);
+    sum += e;
+  }
+  float s = hsum(sum);
+  for (; i < n; ++i) {
+    x[i] = exp_scalar(x[i] - shift);
+    s += x[i];
+  }
+  return s;
+}
+
+// ---- attention --------------------------------------------------------------------
+
+template <typename T>
+inline void prefetch_run(const T* run, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(run);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
+constexpr int64_t kMaxGroupTile = 8;  // query heads whose V accumulators live in registers
+
 // One work item: one query token and one KV head, i.e. the `group` query heads that share it.
-// Scores for keys 0..len-1 are computed block by block straight from the cache (no gather),
-// softmaxed, then V is accumulated the same way.
+// Scores for keys 0..len-1 are computed row by row straight from the cache blocks (no gather),
+// softmaxed, then V is accumulated. The next block is prefetched while one is read.
 template <typename T>
 void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
                 int64_t len, int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
                 int64_t num_kv_heads, float scale, std::vector<float>& scratch) {
-  const int64_t row_stride = num_kv_heads * head_dim;  // between tokens of one block
-  const int64_t block_stride = block_size * row_stride;
-  scratch.resize(group * len + (2 * group + 1) * head_dim + group);
-  float* scores = scratch.data();          // [group, len]
-  float* q = scores + group * len;         // [group, head_dim], pre-scaled
-  float* acc = q + group * head_dim;       // [group, head_dim]
-  float* kv_row = acc + group * head_dim;  // [head_dim]: a K or V row converted to float
-  float* inv_sum = kv_row + head_dim;      // [group]
-  std::fill(acc, acc + group * head_dim, 0.0f);
+  const int64_t run = block_size * head_dim;  // one (block, KV head)
+  const int64_t block_stride = num_kv_heads * run;
+  scratch.resize(group * len + group * head_dim + block_size * head_dim + 2 * kLanes);
+  float* scores = scratch.data();                 // [group, len]
+  float* q = scores + group * len;                // [group, head_dim], pre-scaled
+  float* rows = q + group * head_dim;             // [block_size, head_dim]: a block as float
+  auto block_at = [&](const T* cache, int64_t b) { return cache + table[b] * block_stride + kvh * run; };
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
 
   for (int64_t g = 0; g < group; ++g) {
     const T* src = query + (kvh * group + g) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_f(src[d]) * scale;
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride
-                 + kvh * head_dim;
-    const float* kf;
-    if constexpr (std::is_same_v<T, float>) {
-      kf = k;
-    } else {
-      load_row(kv_row, k, head_dim);
-      kf = kv_row;
-    }
-    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * head_dim, kf, head_dim);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + 1 < num_blocks) prefetch_run(block_at(k_cache, b + 1), run);
+    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+    const float* k = row_as_float(block_at(k_cache, b), rows, n * head_dim);
+    for (int64_t i = 0; i < n; ++i) dots(scores + t0 + i, len, q, k + i * head_dim, group, head_dim);
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
-    float m = *std::max_element(s, s + len);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    inv_sum[g] = 1.0f / sum;
+    const float inv_sum = 1.0f / exp_shifted_inplace(s, len, *std::max_element(s, s + len));
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv_sum;
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride
-                 + kvh * head_dim;
-    const float* vf;
-    if constexpr (std::is_same_v<T, float>) {
-      vf = v;
-    } else {
-      load_row(kv_row, v, head_dim);
-      vf = kv_row;
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * len + t];
-      float* a = acc + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) a[d] = std::fmaf(p, vf[d], a[d]);
+  // V: blocks outer; head_dim in chunks of kLanes with each tile of query heads' accumulators
+  // in registers, written out (in place of q, no longer needed) once all blocks are summed.
+  float* acc = q;
+  std::fill(acc, acc + group * head_dim, 0.0f);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + 1 < num_blocks) prefetch_run(block_at(v_cache, b + 1), run);
+    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+    const float* v = row_as_float(block_at(v_cache, b), rows, n * head_dim);
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupTile) {
+      const int64_t ng = std::min(kMaxGroupTile, group - g0);
+      int64_t c = 0;
+      for (; c + kLanes <= head_dim; c += kLanes) {
+        vf a[kMaxGroupTile];
+        for (int64_t j = 0; j < ng; ++j) a[j] = vload(acc + (g0 + j) * head_dim + c);
+        for (int64_t i = 0; i < n; ++i) {
+          const vf vv = vload(v + i * head_dim + c);
+          for (int64_t j = 0; j < ng; ++j) a[j] += vsplat(scores[(g0 + j) * len + t0 + i]) * vv;
+        }
+        for (int64_t j = 0; j < ng; ++j) vstore(acc + (g0 + j) * head_dim + c, a[j]);
+      }
+      for (; c < head_dim; ++c)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < ng; ++j)
+            acc[(g0 + j) * head_dim + c] += scores[(g0 + j) * len + t0 + i] * v[i * head_dim + c];
     }
   }
   for (int64_t g = 0; g < group; ++g) {
     T* dst = out + (kvh * group + g) * head_dim;
-    const float* a = acc + g * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(a[d] * inv_sum[g]);
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);
   }
 }
 
 // out, query: [num_tokens, num_heads, head_dim] (rows may be strided, heads contiguous);
-// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
+// k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous;
 // block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (tokens in the cache
 // after this step); query_start_loc: [num_reqs + 1] int32. Request r's query rows are the
 // newest tokens of its sequence and attend causally to its cached tokens.
@@ -149,7 +247,7 @@ void paged_attention(Tensor out, const Tensor& query, const Tensor& k_cache, con
     check_cpu(*t, "paged_attention");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [num_tokens, heads, dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.sizes() == v_cache.sizes(), "caches: contiguous [blocks, block_size, kv_heads, dim]");
+              k_cache.sizes() == v_cache.sizes(), "caches: contiguous [blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, out and caches must share a dtype");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
@@ -159,7 +257,7 @@ void paged_attention(Tensor out, const Tensor& query, const Tensor& k_cache, con
               seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
               "block_tables, seq_lens, query_start_loc: contiguous int32");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t num_reqs = seq_lens.size(0), max_blocks = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
   TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.size(0) >= num_reqs,
@@ -205,20 +303,20 @@ void paged_attention(Tensor out, const Tensor& query, const Tensor& k_cache, con
 // ---- KV cache ---------------------------------------------------------------------
 
 // key, value: [num_tokens, num_kv_heads, head_dim] (rows may be strided); slot_mapping:
-// [num_tokens] int64 -> rows of cache.view(-1, num_kv_heads, head_dim).
+// [num_tokens] int64, slot = block * block_size + row -> cache[block, :, row, :].
 void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tensor v_cache,
                     const Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value: [num_tokens, kv_heads, dim]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == key.size(1) &&
-              k_cache.size(3) == key.size(2), "caches: contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == key.size(1) &&
+              k_cache.size(3) == key.size(2), "caches: contiguous [blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
               "key/value must have the caches' dtype");
-  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
-              value.stride(1) == value.size(2), "key/value: each token's heads must be contiguous");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: each head's dims must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.size(0) == key.size(0), "slot_mapping: [num_tokens] int64");
-  const int64_t num_tokens = key.size(0), row = key.size(1) * key.size(2);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t num_tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t block_size = k_cache.size(2), num_slots = k_cache.size(0) * block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_tokens; ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
@@ -228,8 +326,12 @@ void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tens
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     for (int64_t i = 0; i < num_tokens; ++i) {
-      std::copy(k + i * key.stride(0), k + i * key.stride(0) + row, kc + slots[i] * row);
-      std::copy(v + i * value.stride(0), v + i * value.stride(0) + row, vc + slots[i] * row);
+      const int64_t block = slots[i] / block_size, row = slots[i] % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = ((block * heads + h) * block_size + row) * dim;
+        std::copy_n(k + i * key.stride(0) + h * key.stride(1), dim, kc + dst);
+        std::copy_n(v + i * value.stride(0) + h * value.stride(1), dim, vc + dst);
+      }
     }
   });
 }
@@ -343,23 +445,31 @@ void rotary_embedding(const Tensor& positions, Tensor query, Tensor key, const T
 
 // ---- activations ------------------------------------------------------------------
 
-// x: [num_tokens, 2 * d] = gate | up -> out [num_tokens, d] = silu(gate) * up.
+// x: [num_tokens, 2 * d] = gate | up -> out [num_tokens, d] = silu(gate) * up, silu rounded to
+// the dtype first (as F.silu(gate) * up).
+template <typename T>
+void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t d, float* buf) {
+  load_row(buf, gate, d);
+  int64_t k = 0;
+  for (; k + kLanes <= d; k += kLanes) {
+    const vf v = vload(buf + k);
+    vstore(buf + k, v / (vsplat(1.0f) + vexp(-v)));
+  }
+  for (; k < d; ++k) buf[k] = buf[k] / (1.0f + exp_scalar(-buf[k]));
+  for (k = 0; k < d; ++k) out[k] = static_cast<T>(to_f(static_cast<T>(buf[k])) * to_f(up[k]));
+}
+
 void silu_and_mul(Tensor out, const Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0) &&
               x.stride(1) == 1 && out.is_contiguous() && x.scalar_type() == out.scalar_type(),
               "silu_and_mul: x [num_tokens, 2 * d], out [num_tokens, d] contiguous, one dtype");
   TANDEM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
     const int64_t d = out.size(1);
-    at::parallel_for(0, x.size(0), 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(d);
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* g = x.data_ptr<scalar_t>() + i * x.stride(0);
-        const scalar_t* u = g + d;
-        scalar_t* o = out.data_ptr<scalar_t>() + i * d;
-        for (int64_t k = 0; k < d; ++k) {
-          const float v = to_f(g[k]);
-          const float s = static_cast<float>(static_cast<scalar_t>(v / (1.0f + std::exp(-v))));
-          o[k] = static_cast<scalar_t>(s * to_f(u[k]));
-        }
+        silu_and_mul_row(out.data_ptr<scalar_t>() + i * d, g, g + d, d, buf.data());
       }
     });
   });
