@@ -57,6 +57,8 @@ class ModelRunner:
     # ---- set-up -----------------------------------------------------------------
 
     def load_model(self) -> None:
+        if self.device.type == "cpu":
+            kernels.cpu.available()  # build (once per machine) or load the fused CPU kernels now
         model_cls = get_model_class(self.config.hf_config)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

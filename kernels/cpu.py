@@ -1,10 +1,12 @@
 """The fused CPU kernels (``csrc/cpu_ops.cpp``): built once per machine, then loaded.
 
 The first call of ``available()`` compiles the source with the system's C++
-compiler against the installed torch (~30 s), into
-``$TANDEM_CACHE/kernels/`` under a key of the source, torch's version, the
+compiler against the installed torch (~30 s), into ``$TANDEM_KERNEL_CACHE``
+(default ``~/.cache/tandem/kernels``; like torch's extension cache it is per
+user, not per model cache) under a key of the source, torch's version, the
 compiler and this CPU's flags, so later processes just load it. Concurrent
-builders each write a temporary file and rename it into place.
+builders each write a temporary file and rename it into place. The engine calls
+it at start-up, so no request ever waits for a build.
 
 When no compiler is found or the build fails, a warning says why and every op
 falls back to ``kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0``
@@ -64,8 +66,8 @@ def library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, version, _cpu_flags(),
                                     " ".join(_FLAGS)]).encode()).hexdigest()[:16]
-    base = Path(os.environ.get("TANDEM_CACHE") or "~/.cache/tandem").expanduser()
-    return base / "kernels" / f"tandem_cpu_ops-{key}.so"
+    base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
+    return base / f"tandem_cpu_ops-{key}.so"
 
 
 def _build(compiler: str) -> Path:
