@@ -18,6 +18,7 @@ always use the returned tensors.
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import torch
 
@@ -35,7 +36,7 @@ def _triton(module: str):
 def _cpu_fast(x: torch.Tensor) -> bool:
     if not _fused_cpu:
         _fused_cpu.append(cpu.available())
-    return _fused_cpu[0] and x.device.type == "cpu"
+    return _fused_cpu[0] and x.is_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,6 +89,29 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
     if block_tables.is_cuda or _cpu_fast(block_tables):
         return plan_varlen(block_tables, seq_lens, query_lens)
     return reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
+
+
+def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
+              is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              plan: AttentionPlan | VarlenPlan, num_heads: int, num_kv_heads: int, head_dim: int,
+              scale: float) -> torch.Tensor:
+    """A layer's attention from its fused projection: qkv [num_tokens, (heads + 2 kv_heads) * d]
+    = q | k | v -> rotary on q, k (unless cos_sin_cache is None), K/V into the cache, attention
+    over it: [num_tokens, heads * d]. One fused call on the CPU; the ops below in a row elsewhere.
+    qkv may be modified in place."""
+    if _cpu_fast(qkv) and isinstance(plan, VarlenPlan):
+        return cpu.attention_block(qkv, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping,
+                                   plan, num_heads, num_kv_heads, head_dim, scale)
+    num_tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if cos_sin_cache is not None:
+        q, k = apply_rotary(positions, q, k, cos_sin_cache, head_dim, is_neox)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return paged_attention(q, k, v, k_cache, v_cache, plan, scale).view(num_tokens, q_size)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

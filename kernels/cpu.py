@@ -112,15 +112,22 @@ def unavailable_reason() -> Optional[str]:
 
 
 # ---- launchers (same contracts as kernels.reference) -------------------------------
+# Thin on purpose: at batch 1 a decode step makes ~300 of these calls.
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
-    out = torch.empty(query.shape, dtype=query.dtype)
-    torch.ops.tandem_cpu.paged_attention(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                         query_start_loc, scale)
-    return out
+    return torch.ops.tandem_cpu.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                                query_start_loc, scale)
+
+
+def attention_block(qkv, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping, plan,
+                    num_heads, num_kv_heads, head_dim, scale) -> torch.Tensor:
+    """rotary (cos_sin_cache None: none) + KV write + attention on the fused qkv, in one call."""
+    return torch.ops.tandem_cpu.attention_block(
+        qkv, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping, plan.block_tables,
+        plan.seq_lens, plan.query_start_loc, num_heads, num_kv_heads, head_dim, scale)
 
 
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -128,9 +135,7 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype)
-    torch.ops.tandem_cpu.rms_norm(out, x, weight, eps)
-    return out
+    return torch.ops.tandem_cpu.rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
@@ -146,6 +151,10 @@ def apply_rotary(positions, query, key, cos_sin_cache, head_dim, is_neox=True):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-    torch.ops.tandem_cpu.silu_and_mul(out, x)
-    return out
+    return torch.ops.tandem_cpu.silu_and_mul(x)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32 @ (weight [N, K] int8 * scale [N])^T + bias -> [M, N] float32."""
+    return torch.ops.tandem_cpu.int8_linear(x, weight, scale, bias)

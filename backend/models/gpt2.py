@@ -35,8 +35,7 @@ class GPT2Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
-        return self.c_proj(self.attn(q, k, v, meta))
+        return self.c_proj(self.attn(self.c_attn(x), meta))  # qkv: [num_tokens, 3 * n_embd]
 
 
 class GPT2MLP(nn.Module):

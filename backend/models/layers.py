@@ -41,6 +41,8 @@ class RotaryEmbedding(nn.Module):
     linear, llama3, yarn, ...), so they equal the oracle's bit for bit.
     """
 
+    is_neox = True  # the Llama family rotates halves
+
     def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -68,7 +70,8 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
+        """Rotated (q, k); ``Attention`` applies the table itself, fused with the rest."""
+        return kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, self.is_neox)
 
 
 class MergedLinear(nn.Linear):

@@ -27,14 +27,13 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        rotary = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                              rotary)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(qkv, meta, positions))
 
 
 class LlamaMLP(nn.Module):

@@ -28,8 +28,7 @@ class OPTAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
-        return self.out_proj(self.attn(q, k, v, meta))
+        return self.out_proj(self.attn(self.qkv_proj(x), meta))  # qkv: [num_tokens, 3 * hidden]
 
 
 class OPTDecoderLayer(nn.Module):

@@ -18,6 +18,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -25,6 +26,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace {
@@ -240,18 +244,18 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
 // block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (tokens in the cache
 // after this step); query_start_loc: [num_reqs + 1] int32. Request r's query rows are the
 // newest tokens of its sequence and attend causally to its cached tokens.
-void paged_attention(Tensor out, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
-                     const Tensor& block_tables, const Tensor& seq_lens,
-                     const Tensor& query_start_loc, double scale) {
-  for (const Tensor* t : {static_cast<const Tensor*>(&out), &query, &k_cache, &v_cache, &block_tables, &seq_lens, &query_start_loc})
+Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& block_tables, const Tensor& seq_lens,
+                       const Tensor& query_start_loc, double scale) {
+  for (const Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &seq_lens, &query_start_loc})
     check_cpu(*t, "paged_attention");
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [num_tokens, heads, dim]");
+  TORCH_CHECK(query.dim() == 3, "query: [num_tokens, heads, dim]");
+  Tensor out = at::empty(query.sizes(), query.options());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.sizes() == v_cache.sizes(), "caches: contiguous [blocks, kv_heads, block_size, dim]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, out and caches must share a dtype");
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
-              out.stride(1) == out.size(2), "query/out: each token's heads must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and caches must share a dtype");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query: each token's heads must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
               seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
               seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
@@ -298,6 +302,7 @@ void paged_attention(Tensor out, const Tensor& query, const Tensor& k_cache, con
       }
     });
   });
+  return out;
 }
 
 // ---- KV cache ---------------------------------------------------------------------
@@ -362,10 +367,10 @@ void check_rows(const Tensor& t, const Tensor& weight, const char* name) {
               ": weight must be contiguous, of the input's dtype");
 }
 
-// out = rms_norm(x) * weight; x, out: [num_tokens, hidden].
-void rms_norm(Tensor out, const Tensor& x, const Tensor& weight, double eps) {
+// rms_norm(x) * weight; x: [num_tokens, hidden] -> a new [num_tokens, hidden].
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   check_rows(x, weight, "rms_norm");
-  check_rows(out, weight, "rms_norm");
+  Tensor out = at::empty(x.sizes(), x.options());
   TANDEM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
     const int64_t n = x.size(1);
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
@@ -374,6 +379,7 @@ void rms_norm(Tensor out, const Tensor& x, const Tensor& weight, double eps) {
                      weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
     });
   });
+  return out;
 }
 
 // In place: residual = x + residual; x = rms_norm(residual) * weight.
@@ -443,7 +449,31 @@ void rotary_embedding(const Tensor& positions, Tensor query, Tensor key, const T
   });
 }
 
-// ---- activations ------------------------------------------------------------------
+// ---- a layer's whole attention, one call ------------------------------------------------
+
+// qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] = q | k | v, the fused projection's
+// output (rows contiguous). In place: rotary on q and k (when cos_sin_cache is given), then k and
+// v written to the cache slots; returns attention over the cache, [num_tokens, num_heads * head_dim].
+// The same as rotary_embedding, write_kv_cache and paged_attention in a row, in one op call.
+Tensor attention_block(Tensor qkv, const Tensor& positions, const c10::optional<Tensor>& cos_sin_cache,
+                       bool is_neox, Tensor k_cache, Tensor v_cache, const Tensor& slot_mapping,
+                       const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+              qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "attention_block: qkv must be [num_tokens, (heads + 2 * kv_heads) * head_dim], rows contiguous");
+  const int64_t num_tokens = qkv.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size), v = qkv.narrow(1, q_size + kv_size, kv_size);
+  if (cos_sin_cache.has_value() && cos_sin_cache->defined())
+    rotary_embedding(positions, q, k, *cos_sin_cache, head_dim, is_neox);
+  write_kv_cache(k.view({num_tokens, num_kv_heads, head_dim}), v.view({num_tokens, num_kv_heads, head_dim}),
+                 k_cache, v_cache, slot_mapping);
+  return paged_attention(q.view({num_tokens, num_heads, head_dim}), k_cache, v_cache, block_tables, seq_lens,
+                         query_start_loc, scale)
+      .view({num_tokens, q_size});
+}
+
+// ---- activations ----------------------------------------------------------------------
 
 // x: [num_tokens, 2 * d] = gate | up -> out [num_tokens, d] = silu(gate) * up, silu rounded to
 // the dtype first (as F.silu(gate) * up).
@@ -459,10 +489,10 @@ void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t d, float* buf)
   for (k = 0; k < d; ++k) out[k] = static_cast<T>(to_f(static_cast<T>(buf[k])) * to_f(up[k]));
 }
 
-void silu_and_mul(Tensor out, const Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0) &&
-              x.stride(1) == 1 && out.is_contiguous() && x.scalar_type() == out.scalar_type(),
-              "silu_and_mul: x [num_tokens, 2 * d], out [num_tokens, d] contiguous, one dtype");
+Tensor silu_and_mul(const Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
+              "silu_and_mul: x must be [num_tokens, 2 * d] with contiguous rows");
+  Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   TANDEM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
     const int64_t d = out.size(1);
     at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
@@ -473,20 +503,113 @@ void silu_and_mul(Tensor out, const Tensor& x) {
       }
     });
   });
+  return out;
+}
+
+// ---- weight-only int8 linear -----------------------------------------------------------
+
+// 8 int8 weights as floats (exact).
+inline vf load_int8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  vf v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// out[m, n] for m in [m0, m0 + MT), n in [n0, n0 + NT): sum_k x[m, k] * w[n, k], times scale[n],
+// plus bias[n]. Each int8 weight vector is converted once and used for MT rows of x.
+template <int NT, int MT>
+inline void int8_tile(float* out, int64_t out_stride, const float* x, int64_t x_stride, const int8_t* w,
+                      const float* scale, const float* bias, int64_t k_size, int64_t n0, int64_t m0) {
+  vf acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = vsplat(0.0f);
+  int64_t k = 0;
+  for (; k + kLanes <= k_size; k += kLanes) {
+    vf wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load_int8(w + (n0 + j) * k_size + k);
+    for (int i = 0; i < MT; ++i) {
+      const vf xv = vload(x + (m0 + i) * x_stride + k);
+      for (int j = 0; j < NT; ++j) acc[i][j] += wv[j] * xv;
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) {
+      float sum = hsum(acc[i][j]);
+      for (int64_t r = k; r < k_size; ++r)
+        sum += x[(m0 + i) * x_stride + r] * static_cast<float>(w[(n0 + j) * k_size + r]);
+      out[(m0 + i) * out_stride + n0 + j] = sum * scale[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+template <int NT>
+inline void int8_columns(float* out, int64_t out_stride, const float* x, int64_t x_stride, const int8_t* w,
+                         const float* scale, const float* bias, int64_t m_size, int64_t k_size, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 3 <= m_size; m0 += 3) int8_tile<NT, 3>(out, out_stride, x, x_stride, w, scale, bias, k_size, n0, m0);
+  for (; m0 < m_size; ++m0) int8_tile<NT, 1>(out, out_stride, x, x_stride, w, scale, bias, k_size, n0, m0);
+}
+
+// out [M, N] = x [M, K] @ (weight [N, K] int8 * scale [N])^T + bias [N]: weight-only int8 with
+// float activations. Every output's sum runs over k in the same order whatever M is, so a
+// request's results do not depend on the batch it shares a step with.
+Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                   const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "int8_linear: x must be float32 [M, K] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+              weight.size(1) == x.size(1), "int8_linear: weight must be contiguous int8 [N, K]");
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = weight.size(0);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_size,
+              "int8_linear: scale must be float32 [N]");
+  Tensor out = at::empty({m_size, n_size}, x.options());
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
+                "int8_linear: bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  constexpr int64_t kTile = 4;  // output columns per tile
+  at::parallel_for(0, (n_size + kTile - 1) / kTile, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile;
+      if (n0 + kTile <= n_size) {
+        int8_columns<kTile>(op, n_size, xp, x_stride, wp, sp, b, m_size, k_size, n0);
+      } else {
+        for (int64_t n = n0; n < n_size; ++n) int8_columns<1>(op, n_size, xp, x_stride, wp, sp, b, m_size, k_size, n);
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
-  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
         "int head_dim, bool is_neox) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("attention_block(Tensor(a!) qkv, Tensor positions, Tensor? cos_sin_cache, bool is_neox, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
@@ -496,4 +619,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("attention_block", &attention_block);
+  m.impl("int8_linear", &int8_linear);
 }
