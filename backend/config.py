@@ -108,7 +108,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs: every step eager
     # KV-cache budget: GiB on CPU, fraction of device memory on GPU, or an exact block count.
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9

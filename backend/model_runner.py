@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 
 import kernels
+from backend import cuda_graphs
 from backend.config import EngineConfig
 from backend.models.attention import Attention, AttentionMetadata
 from backend.models.loader import iter_weights
 from backend.models.registry import get_model_class
-from backend.request import PositionLogprobs
+from backend.request import PositionLogprobs, SamplingParams
 from backend.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from backend.scheduler import ScheduledRequest, SchedulerOutput
 from backend.spec_decode import accept_drafts
@@ -57,6 +58,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # CUDA graphs of decode steps (None: every step eager; always so with enforce_eager).
+        self.graph_cls = None if config.enforce_eager else cuda_graphs.graph_class(device)
+        self.graphs: Optional[cuda_graphs.DecodeGraphs] = None
 
     # ---- set-up -----------------------------------------------------------------
 
@@ -85,8 +89,7 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.gpu_memory_utilization
+            budget = self._cuda_kv_budget()
         else:
             budget = self.config.kv_cache_memory_gb * 2 ** 30
         num_blocks = int(budget // self.kv_bytes_per_block())
@@ -95,7 +98,19 @@ class ModelRunner:
         return max(1, min(num_blocks, max_useful))
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate and bind each layer's K and V cache (layout: ``kernels.kv_cache_shape``)."""
+        """Allocate and bind the KV cache, then capture the decode graphs (if any)."""
+        # Graph padding rows write one scratch block past the scheduler's blocks.
+        self._bind_kv_cache(num_blocks + (self.graph_cls is not None))
+        if self.graph_cls is not None:
+            self.graphs = cuda_graphs.DecodeGraphs(
+                self.model, cuda_graphs.capture_sizes(self.config.max_num_seqs),
+                max_blocks_per_seq=-(-self.config.max_model_len // self.block_size),
+                max_model_len=self.config.max_model_len, pad_block=num_blocks, block_size=self.block_size,
+                device=self.device, graph_cls=self.graph_cls)
+            self.graphs.capture()
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        """Each layer's K and V cache (layout: ``kernels.kv_cache_shape``)."""
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = kernels.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
@@ -103,6 +118,57 @@ class ModelRunner:
                   torch.zeros(shape, dtype=self.dtype, device=self.device))
             layer.kv_cache = kv
             self.kv_caches.append(kv)
+
+    def _cuda_kv_budget(self) -> float:
+        """Bytes left for the KV cache: gpu_memory_utilization of the device's memory, less
+        what is in use now (weights, CUDA context, other processes) and less the peak a
+        step adds on top (measured by a profiling step at max_num_batched_tokens)."""
+        activation_peak = self._profile_step_memory()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB step peak -> %.2f GiB for the "
+                    "KV cache (gpu_memory_utilization=%.2f)", total / 2 ** 30, (total - free) / 2 ** 30,
+                    activation_peak / 2 ** 30, budget / 2 ** 30, self.config.gpu_memory_utilization)
+        if budget <= 0:
+            raise RuntimeError(f"No GPU memory left for the KV cache at gpu_memory_utilization="
+                               f"{self.config.gpu_memory_utilization}; raise it or lower "
+                               "max_num_batched_tokens.")
+        return budget
+
+    def _profile_step_memory(self) -> int:
+        """Peak bytes the profiling step allocates beyond what exists before it (its
+        throwaway KV cache not counted)."""
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        kv_bytes = self.profile_step()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
+
+    def profile_step(self) -> int:
+        """Run the largest step the scheduler can form: a prefill of max_num_batched_tokens
+        tokens over up to max_num_seqs requests, sampled with top-k/p, on a throwaway KV
+        cache that is unbound afterwards. Returns that cache's bytes."""
+        tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
+        num_reqs = min(self.config.max_num_seqs, tokens)
+        lens = [tokens // num_reqs + (i < tokens % num_reqs) for i in range(num_reqs)]
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+        scheduled, next_block = [], 0
+        for i, n in enumerate(lens):
+            blocks = list(range(next_block, next_block + -(-n // self.block_size)))
+            next_block += len(blocks)
+            scheduled.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, True, params,
+                                              [0] * n, [], None))
+        self._bind_kv_cache(next_block)
+        kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+        try:
+            self.execute_model(SchedulerOutput(scheduled, tokens))
+        finally:
+            for layer in self.attn_layers:
+                layer.kv_cache = None
+            self.kv_caches = []
+        return kv_bytes
 
     # ---- one step -----------------------------------------------------------------
 
@@ -181,7 +247,10 @@ class ModelRunner:
         if not sched.scheduled:
             return out
         inputs = self._prepare_inputs(sched.scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
+        if self.graphs is not None and self.graphs.fits(inputs.meta):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
         if not inputs.logits_rows:
             return out
         rows = torch.tensor(inputs.logits_rows, dtype=torch.int64, device=self.device)

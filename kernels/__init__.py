@@ -91,10 +91,10 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
     return reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
 
 
-def attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
-              is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-              plan: AttentionPlan | VarlenPlan, num_heads: int, num_kv_heads: int, head_dim: int,
-              scale: float) -> torch.Tensor:
+def qkv_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
+                  is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, plan: AttentionPlan | VarlenPlan, num_heads: int,
+                  num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
     """A layer's attention from its fused projection: qkv [num_tokens, (heads + 2 kv_heads) * d]
     = q | k | v -> rotary on q, k (unless cos_sin_cache is None), K/V into the cache, attention
     over it: [num_tokens, heads * d]. One fused call on the CPU; the ops below in a row elsewhere.

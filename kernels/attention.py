@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.cache_ops import cache_geometry
 from kernels.reference import VarlenPlan
 
 # The interpreter's tl.dot mishandles bf16 operands; there the kernel upcasts them
@@ -47,7 +48,7 @@ def _attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         scale_log2, tiles_per_req, partition_size, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_bt,
+        stride_cb, stride_cr, stride_ch, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -90,10 +91,9 @@ def _attention_kernel(
         block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         in_block = n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_kr
-                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)  # [TILE, HEAD_DIM_PAD]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vr
-                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+        offsets = block[:, None] * stride_cb + in_block[:, None] * stride_cr + kv_head * stride_ch + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)  # [TILE, HEAD_DIM_PAD]
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE]
@@ -180,20 +180,19 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     read back from the caches, where this step's were written).
 
     query: [num_tokens, num_heads, head_dim], last dim contiguous;
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (``kv_cache_shape``), contiguous,
-    query's dtype. Returns [num_tokens, num_heads, head_dim].
+    k_cache, v_cache: the caches (kernels/reference.py's layout), query's dtype, equal strides. Returns [num_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
-    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+    (_, block_size, num_kv_heads, cache_dim), cache_strides = cache_geometry(k_cache)
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit "
                          f"query {tuple(query.shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     if not (k_cache.dtype == v_cache.dtype == query.dtype):
         raise ValueError(f"dtypes differ: query {query.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
-    if query.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("query's last dim and the caches must be contiguous")
+    if query.stride(-1) != 1:
+        raise ValueError("query's last dim must be contiguous")
     for name in ("block_tables", "seq_lens", "query_start_loc"):
         t = getattr(plan, name)
         if t.dtype != torch.int32 or t.device != query.device:
@@ -224,8 +223,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc,
         scale * LOG2E, tiles_per_req, partition, num_heads, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),  # block, row, head
-        v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), plan.block_tables.stride(0),
+        *cache_strides, plan.block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE_N, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT=num_splits > 1,
         UPCAST=INTERPRET and query.dtype != torch.float32,

@@ -35,7 +35,7 @@ class Attention(nn.Module):
     """A layer's attention from its fused q | k | v projection, over the paged cache.
 
     Applies the rotary embedding (if the model has one) to q and k, writes this
-    step's K/V into the cache, attends: one ``kernels.attention`` call, which on
+    step's K/V into the cache, attends: one ``kernels.qkv_attention`` call, which on
     the CPU is one fused kernel. The model runner binds ``kv_cache`` =
     (k_cache, v_cache), each ``kernels.kv_cache_shape`` (see
     kernels/reference.py), before the first step.
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         positions: [num_tokens], needed with a rotary embedding. -> [num_tokens, num_heads * head_dim]."""
         k_cache, v_cache = self.kv_cache
         rotary = self.rotary
-        return kernels.attention(qkv, positions, rotary.cos_sin_cache if rotary else None,
+        return kernels.qkv_attention(qkv, positions, rotary.cos_sin_cache if rotary else None,
                                  rotary.is_neox if rotary else True, k_cache, v_cache,
                                  meta.slot_mapping, meta.plan, self.num_heads, self.num_kv_heads,
                                  self.head_dim, self.scale)

@@ -1,0 +1,191 @@
+"""CUDA graphs of the decode step: captured once per batch size, replayed with refilled buffers.
+
+A decode-only step (one query token per request) of n requests replays the graph
+captured for the smallest size B >= n. The graph's kernels read persistent input
+buffers (token IDs, positions, slots, block tables, sequence lengths) and write a
+persistent hidden-state buffer; a step copies its inputs into rows [0, n) and
+points rows [n, B) at a scratch KV block that no request owns::
+
+    row        0 .. n-1                  n .. B-1 (padding)
+    input_ids  the step's tokens         0
+    positions  the step's positions      0
+    slot       the step's slots          pad_block * block_size   (scratch; never read back)
+    block row  the request's table       [pad_block, ...]
+    seq_len    the request's length      1
+
+so padded rows compute finite garbage that nobody reads and touch no request's
+blocks. Logits and sampling run after the replay, on rows [0, n).
+
+The graph object is a seam: on CUDA it is a ``torch.cuda.CUDAGraph``; CPU tests
+(and ``bench/gpu_check.py --tiny``) use ``FakeGraph``, which replays by calling
+the captured function again on the same buffers, so the size list, the padding
+and the buffer reuse are exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+
+import kernels
+from backend.models.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512  # larger decode batches run eagerly (their launch overhead is amortized)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes to capture: 1, 2, 4, then every multiple of 8, up to
+    max_num_seqs (itself included, so every batch the scheduler forms fits one)."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8))
+    return sizes + [top]
+
+
+def padded_size(n: int, sizes: list[int]) -> Optional[int]:
+    """The smallest captured size >= n, or None when n exceeds them all."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CudaGraph:
+    """``torch.cuda.CUDAGraph`` behind the two calls DecodeGraphs makes; all share one pool."""
+
+    def __init__(self, pool) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class FakeGraph:
+    """Replays by calling the captured function again (CPU tests of the capture logic)."""
+
+    def __init__(self, pool=None) -> None:
+        self.fn: Optional[Callable[[], None]] = None
+        self.num_replays = 0
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        fn()
+
+    def replay(self) -> None:
+        self.num_replays += 1
+        self.fn()
+
+
+def graph_class(device: torch.device) -> Optional[type]:
+    """The graph implementation for a device: CUDA graphs on CUDA, none (eager) elsewhere.
+    Tests replace this to run FakeGraph on the CPU."""
+    return CudaGraph if device.type == "cuda" else None
+
+
+class DecodeGraphs:
+    """One captured decode step per size in ``sizes``, sharing persistent buffers.
+
+    model(input_ids, positions, meta) -> [num_tokens, hidden] must only launch
+    device work (no host syncs) for decode batches; kernels read the metadata
+    through ``kernels.VarlenPlan``, whose tensors are views of these buffers.
+    """
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_blocks_per_seq: int,
+                 max_model_len: int, pad_block: int, block_size: int, device: torch.device,
+                 graph_cls: type) -> None:
+        self.model = model
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.pad_slot = pad_block * block_size
+        self.pad_block = pad_block
+        self.graph_cls = graph_cls
+        self.device = device
+        n = self.sizes[-1]
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((n,), self.pad_slot, dtype=torch.int64, device=device)
+            self.block_tables = torch.full((n, max_blocks_per_seq), pad_block, dtype=torch.int32, device=device)
+            self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row
+        self.hidden: Optional[torch.Tensor] = None  # [max_size, hidden], made by the first warm-up
+        self.graphs: dict[int, object] = {}
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        block_tables = self.block_tables[:size]
+        seq_lens = self.seq_lens[:size]
+        query_start_loc = self.query_start_loc[:size + 1]
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], block_tables=block_tables,
+                                 seq_lens=seq_lens, query_start_loc=query_start_loc,
+                                 max_query_len=1, max_seq_len=self.max_model_len)
+        meta.plan = kernels.VarlenPlan(block_tables, seq_lens, query_start_loc, max_query_len=1,
+                                       max_seq_len=self.max_model_len)
+        return meta
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (smaller graphs reuse its pool memory)."""
+        start = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        for size in reversed(self.sizes):
+            meta = self._metadata(size)
+
+            def step(size=size, meta=meta) -> None:
+                self.hidden[:size].copy_(self.model(self.input_ids[:size], self.positions[:size], meta))
+
+            if self.hidden is None:
+                out = self.model(self.input_ids, self.positions, meta)
+                self.hidden = torch.zeros_like(out)
+            step()  # warm-up outside the graph: compiles kernels, sizes workspaces
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            graph = self.graph_cls(pool)
+            graph.capture(step)
+            self.graphs[size] = graph
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        used = (before - torch.cuda.mem_get_info(self.device)[0]) / 2 ** 20 if cuda else 0.0
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_mib = used
+        logger.info("Captured %d decode graphs (batch sizes %d..%d) in %.1f s, using %.0f MiB",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], self.capture_seconds, used)
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """A decode-only step that a captured graph can run."""
+        return (meta.max_query_len == 1 and meta.seq_lens.shape[0] <= self.max_size
+                and meta.block_tables.shape[1] <= self.block_tables.shape[1])
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the graph for this step's batch; returns hidden states [num_reqs, hidden]
+        (a view of the persistent buffer: valid until the next replay)."""
+        n = input_ids.shape[0]
+        size = padded_size(n, self.sizes)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        if n < size:  # rows a larger batch filled before: back to the scratch block
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(self.pad_slot)
+            self.block_tables[n:size, 0].fill_(self.pad_block)
+            self.seq_lens[n:size].fill_(1)
+        self.graphs[size].replay()
+        return self.hidden[:n]

@@ -1,0 +1,425 @@
+"""One GPU check of the CUDA backend, sized for 8 minutes on one H200 with no network.
+
+It needs only the repository and torch, triton, transformers, numpy, safetensors
+(grpcio/protobuf come with the backend package but are not used here). Models are
+built from the config files in bench/configs/ with random weights from a seed.
+Results are written to --out (JSON, plus a Markdown copy beside it) after every
+phase, so a run cut short still leaves what it measured:
+
+1. ceilings: device copy GB/s (the 100 % of every bandwidth figure), bf16 matmul TFLOP/s;
+2. kernels: each Triton kernel vs its torch reference (error, µs, % of bandwidth) at
+   (batch, context) = (1, 1k), (1, 8k), (64, 1k), (256, 1k), (256, 4k) (bench/kernels.py);
+3. logits: engine vs HF transformers on the same seeded fp32 weights, per config
+   (max |Δ logprob| over prompt tokens, greedy tokens equal);
+4. graphs: batch-1 decode, eager vs CUDA graphs (tok/s, ratio, same tokens), per config,
+   with the step's achieved bandwidth (weights + KV read per step over step time);
+5. sweep: decode batch 1 ... 256 at context ~1,024 (step ms, tok/s, % bandwidth);
+6. nano_vllm: nano-vllm's offline workload (256 sequences, input and output lengths
+   uniform in [100, 1024], EOS ignored) against its bandwidth floor: the time to read,
+   at the measured copy rate, the weights once per decode step plus each step's KV.
+
+    python bench/gpu_check.py --out /tmp/gpu_check.json    # on the GPU
+    python bench/gpu_check.py --tiny --out /tmp/tiny.json  # CPU: tiny shapes, Triton's
+        interpreter, fake graph capture; proves the script runs end to end
+
+Step times are the engine's whole step (schedule, inputs, forward, sampling), the
+median over the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # run as a script, bench/ is sys.path[0], where bench/kernels.py shadows kernels/
+    sys.path[0] = str(REPO)
+    if "--tiny" in sys.argv:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+CONFIGS = {"smollm2-135m": "smollm2-135m.json", "llama-3.2-1b": "llama-3.2-1b.json",
+           "qwen2.5-0.5b": "qwen2.5-0.5b.json"}
+# --tiny: every config shrunk to this (same architecture, same code paths).
+TINY_OVERRIDES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2)
+# Not installed on the H200 machine: the engine path this script drives must not import them.
+ABSENT_ON_GPU_MACHINE = {"fastapi", "uvicorn", "starlette", "gguf", "grpc_health", "grpc_reflection",
+                         "prometheus_client"}
+
+
+class Plan:
+    """The sizes of one run: the real check or its --tiny CPU rehearsal."""
+
+    def __init__(self, tiny: bool) -> None:
+        self.tiny = tiny
+        self.device = torch.device("cpu" if tiny else "cuda")
+        # The serving dtype; fp32 on the CPU, whose bf16 matmuls are emulated (slow).
+        self.dtype = torch.float32 if tiny else torch.bfloat16
+        self.copy_bytes = 8 << 20 if tiny else 2 << 30
+        self.matmul_n = 256 if tiny else 8192
+        self.logit_prompts = [5, 9, 17] if tiny else [17, 64, 200]
+        self.greedy_tokens = 4 if tiny else 16
+        self.b1_prompt, self.b1_steps = (8, 6) if tiny else (128, 64)
+        self.sweep = [1, 2, 4] if tiny else [1, 2, 4, 8, 16, 32, 64, 128, 256]
+        self.sweep_prompt, self.sweep_steps = (48, 3) if tiny else (1008, 16)
+        self.nano = dict(num_seqs=8, low=10, high=40) if tiny else dict(num_seqs=256, low=100, high=1024)
+        self.max_model_len = 256 if tiny else 2304
+        self.max_num_seqs = 8 if tiny else 256
+        self.max_num_batched_tokens = 128 if tiny else 8192
+
+
+class Results:
+    """Phase name -> rows (or an error); rewritten to disk after every phase."""
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        self.path = path
+        self.data = {"meta": meta, "phases": {}}
+
+    def record(self, phase: str, value) -> None:
+        self.data["phases"][phase] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1, default=float))
+        self.path.with_suffix(".md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        out = [f"# gpu_check: {self.data['meta'].get('device')}", ""]
+        for phase, value in self.data["phases"].items():
+            out.append(f"## {phase}")
+            if isinstance(value, dict) and "error" in value:
+                out.append(f"ERROR: {value['error']}")
+            elif isinstance(value, list) and value and isinstance(value[0], dict):
+                keys = list(dict.fromkeys(k for row in value for k in row))
+                out.append("| " + " | ".join(keys) + " |")
+                out.append("|" + "---|" * len(keys))
+                for row in value:
+                    out.append("| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |")
+            else:
+                out.append(json.dumps(value, default=float))
+            out.append("")
+        return "\n".join(out)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+def build_checkpoint(name: str, out_dir: Path, dtype: torch.dtype, plan: Plan, seed: int = 0):
+    """(directory, HF model on the device): config from bench/configs, weights random from seed."""
+    import transformers as T
+    from tokenizers import Tokenizer, models
+
+    fields = json.loads((REPO / "bench" / "configs" / CONFIGS[name]).read_text())
+    if plan.tiny:
+        fields.update(TINY_OVERRIDES)
+    config = T.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    with torch.device(plan.device):
+        hf = T.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    hf.save_pretrained(str(out_dir))
+    # The engine wants a tokenizer beside the weights; token IDs are all this check sends.
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(out_dir / "tokenizer.json"))
+    return out_dir, hf
+
+
+def make_engine(model_dir: Path, plan: Plan, **kwargs):
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+
+    kwargs.setdefault("dtype", str(plan.dtype).removeprefix("torch."))
+    kwargs.setdefault("max_model_len", plan.max_model_len)
+    kwargs.setdefault("max_num_seqs", plan.max_num_seqs)
+    kwargs.setdefault("max_num_batched_tokens", plan.max_num_batched_tokens)
+    kwargs.setdefault("enable_prefix_caching", False)
+    if plan.tiny:
+        kwargs.setdefault("num_kv_blocks", 1024)
+    return LLMEngine(EngineConfig(model=str(model_dir), device=plan.device.type, **kwargs))
+
+
+def release(*objects) -> None:
+    for obj in objects:
+        if hasattr(obj, "shutdown"):
+            obj.shutdown()
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def runner_of(engine):
+    return engine.executor.worker.runner
+
+
+def weight_bytes(engine) -> int:
+    return sum(p.numel() * p.element_size() for p in runner_of(engine).model.parameters())
+
+
+def kv_bytes_per_token(engine) -> float:
+    runner = runner_of(engine)
+    return runner.kv_bytes_per_block() / runner.block_size
+
+
+def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def decode_steps(engine, prompts, num_steps: int):
+    """Prefill prompts (untimed), then time num_steps steps in which all of them decode.
+    Returns (median step seconds, mean context over the timed steps, each request's tokens)."""
+    from backend.request import SamplingParams
+
+    # Enough tokens that no request ends while others still prefill; aborted afterwards.
+    params = SamplingParams(temperature=0.0, max_tokens=engine.config.max_model_len - max(map(len, prompts)),
+                            ignore_eos=True)
+    ids = [str(i) for i in range(len(prompts))]
+    tokens = {i: [] for i in ids}
+    for i, p in zip(ids, prompts):
+        engine.add_request(i, p, params)
+
+    def step() -> None:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+
+    while any(not t for t in tokens.values()):  # until every prompt is in and sampled once
+        step()
+    context = statistics.mean(len(p) + len(tokens[i]) for i, p in zip(ids, prompts)) + num_steps / 2
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    engine.abort_request(ids)
+    assert not engine.has_unfinished_requests() and num_steps < params.max_tokens
+    return statistics.median(times), context, [tokens[i] for i in ids]
+
+
+# ---- phases ------------------------------------------------------------------------------------
+
+def phase_ceilings(plan: Plan, state: dict) -> list[dict]:
+    from bench.kernels import copy_bandwidth_gbs, time_us
+
+    copy = copy_bandwidth_gbs(plan.device, plan.copy_bytes)
+    state["bandwidth_gbs"] = copy
+    n = plan.matmul_n
+    dtype = torch.float32 if plan.tiny else torch.bfloat16
+    a = torch.randn(n, n, device=plan.device, dtype=dtype)
+    b = torch.randn(n, n, device=plan.device, dtype=dtype)
+    us = time_us(lambda: a @ b, plan.device)
+    return [{"ceiling": "copy (read + write)", "value": copy, "unit": "GB/s"},
+            {"ceiling": f"{dtype} matmul {n}^3", "value": 2 * n ** 3 / (us * 1e-6) / 1e12, "unit": "TFLOP/s"}]
+
+
+def phase_kernels(plan: Plan, state: dict) -> list[dict]:
+    from bench import kernels as kbench
+
+    return kbench.run(plan.tiny, state["bandwidth_gbs"])[1]
+
+
+def phase_logits(plan: Plan, state: dict, tmp: Path) -> list[dict]:
+    """fp32 engine (eager, then CUDA graphs) against HF on the same weights."""
+    from backend.request import SamplingParams
+
+    rows = []
+    for name in CONFIGS:
+        model_dir, hf = build_checkpoint(name, tmp / f"{name}-fp32", torch.float32, plan)
+        prompts = random_prompts(plan.logit_prompts, hf.config.vocab_size, seed=1)
+        params = SamplingParams(temperature=0.0, max_tokens=plan.greedy_tokens, ignore_eos=True, prompt_logprobs=1)
+        runs = {}
+        for mode, eager in (("eager", True), ("graphs", False)):
+            engine = make_engine(model_dir, plan, dtype="float32", enforce_eager=eager, max_num_seqs=8)
+            got = {str(i): [] for i in range(len(prompts))}
+            prompt_lps = {}
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    got[out.request_id] += out.new_token_ids
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[out.request_id] = out.prompt_logprobs
+            release(engine)
+            runs[mode] = ([got[str(i)] for i in range(len(prompts))], prompt_lps)
+        max_diff, want = 0.0, []
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                ids = torch.tensor([p], device=plan.device)
+                ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)  # [len, vocab]
+                for pos in range(1, len(p)):
+                    lp = runs["eager"][1][str(i)][pos][p[pos]].logprob
+                    max_diff = max(max_diff, abs(lp - ref[pos - 1, p[pos]].item()))
+                greedy = []  # without a KV cache or EOS: what the engine does with ignore_eos
+                for _ in range(plan.greedy_tokens):
+                    greedy.append(int(hf(ids).logits[0, -1].argmax()))
+                    ids = torch.cat([ids, ids.new_tensor([[greedy[-1]]])], dim=1)
+                want.append(greedy)
+        release(hf)
+        rows.append({"model": name, "dtype": "float32", "max_abs_logprob_diff": max_diff,
+                     "greedy_equal_eager": runs["eager"][0] == want,
+                     "greedy_equal_graphs": runs["graphs"][0] == want, "prompts": len(prompts)})
+    return rows
+
+
+def serving_checkpoint(name: str, plan: Plan, state: dict, tmp: Path) -> tuple[Path, int]:
+    """(directory, vocab size) of the config's checkpoint in the serving dtype, built once per run."""
+    made = state.setdefault("serving", {})
+    if name not in made:
+        model_dir, hf = build_checkpoint(name, tmp / f"{name}-serving", plan.dtype, plan)
+        made[name] = (model_dir, hf.config.vocab_size)
+        release(hf)
+    return made[name]
+
+
+def phase_graphs(plan: Plan, state: dict, tmp: Path) -> list[dict]:
+    rows = []
+    for name in CONFIGS:
+        model_dir, vocab = serving_checkpoint(name, plan, state, tmp)
+        prompt = random_prompts([plan.b1_prompt], vocab, seed=2)
+        result = {"model": name}
+        for mode, eager in (("eager", True), ("graphs", False)):
+            engine = make_engine(model_dir, plan, enforce_eager=eager, max_num_seqs=8)
+            step_s, context, tokens = decode_steps(engine, prompt, plan.b1_steps)
+            result[f"{mode}_step_ms"] = step_s * 1e3
+            result[f"{mode}_tok_s"] = 1 / step_s
+            result[f"{mode}_tokens"] = tokens[0]
+            if not eager:
+                moved = weight_bytes(engine) + context * kv_bytes_per_token(engine)
+                result["graphs_pct_bandwidth"] = 100 * moved / step_s / 1e9 / state["bandwidth_gbs"]
+                result["capture_s"] = runner_of(engine).graphs.capture_seconds
+            release(engine)
+        result["graphs_vs_eager"] = result["eager_step_ms"] / result["graphs_step_ms"]
+        # In bf16 (the GPU run) graphs split long contexts by max_model_len, eager by the step's length, so
+        # the sums may round differently (exactness is checked in fp32, phase "logits").
+        result["same_tokens_eager_graphs"] = result.pop("eager_tokens") == result.pop("graphs_tokens")
+        rows.append(result)
+    return rows
+
+
+def phase_sweep(plan: Plan, state: dict, tmp: Path, deadline: float) -> list[dict]:
+    rows = []
+    for name in ("smollm2-135m", "llama-3.2-1b"):
+        model_dir, vocab = serving_checkpoint(name, plan, state, tmp)
+        engine = make_engine(model_dir, plan)
+        runner = runner_of(engine)
+        capture = (runner.graphs.capture_seconds, runner.graphs.capture_mib) if runner.graphs else (0.0, 0.0)
+        for batch in plan.sweep:
+            if time.monotonic() > deadline:
+                rows.append({"model": name, "batch": batch, "skipped": "time budget"})
+                continue
+            prompts = random_prompts([plan.sweep_prompt] * batch, vocab, seed=batch)
+            step_s, context, _ = decode_steps(engine, prompts, plan.sweep_steps)
+            moved = weight_bytes(engine) + batch * context * kv_bytes_per_token(engine)
+            rows.append({"model": name, "batch": batch, "context": int(context), "step_ms": step_s * 1e3,
+                         "tok_s": batch / step_s,
+                         "pct_bandwidth": 100 * moved / step_s / 1e9 / state["bandwidth_gbs"],
+                         "capture_s": capture[0], "capture_mib": capture[1]})
+        release(engine)
+    return rows
+
+
+def nano_vllm_workload(num_seqs: int, low: int, high: int, vocab: int, seed: int = 0):
+    """nano-vllm's bench: random token IDs < 10,000, input and output lengths uniform in [low, high]."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) % vocab for _ in range(rng.randint(low, high))] for _ in range(num_seqs)]
+    return prompts, [rng.randint(low, high) for _ in range(num_seqs)]
+
+
+def phase_nano_vllm(plan: Plan, state: dict, tmp: Path) -> list[dict]:
+    from backend.request import SamplingParams
+
+    rows = []
+    for name in ("smollm2-135m", "qwen2.5-0.5b"):
+        model_dir, vocab = serving_checkpoint(name, plan, state, tmp)
+        prompts, out_lens = nano_vllm_workload(**plan.nano, vocab=vocab)
+        engine = make_engine(model_dir, plan)
+        for i, (p, n) in enumerate(zip(prompts, out_lens)):
+            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        produced = 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            produced += sum(len(o.new_token_ids) for o in engine.step())
+        elapsed = time.perf_counter() - start
+        # The floor: all sequences decode together; step t reads the weights once and the
+        # KV of every sequence still running (prompt + t tokens).
+        weights, kv = weight_bytes(engine), kv_bytes_per_token(engine)
+        moved = sum(weights + sum((len(p) + t) * kv for p, n in zip(prompts, out_lens) if n > t)
+                    for t in range(max(out_lens)))
+        floor_s = moved / (state["bandwidth_gbs"] * 1e9)
+        release(engine)
+        assert produced == sum(out_lens), (produced, sum(out_lens))
+        rows.append({"model": name, "sequences": len(prompts), "output_tokens": produced,
+                     "seconds": elapsed, "tok_s": produced / elapsed, "floor_s": floor_s,
+                     "pct_of_floor": 100 * floor_s / elapsed})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny shapes, interpreter, fake graphs")
+    parser.add_argument("--out", default="gpu_check.json", help="results (JSON; Markdown beside it)")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="later phases stop after this")
+    args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --tiny for the CPU rehearsal")
+    plan = Plan(args.tiny)
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    if args.tiny:  # graph capture logic on the CPU: FakeGraph replays the captured calls
+        from backend import cuda_graphs
+
+        torch.set_num_threads(1)  # tiny shapes gain nothing from threads; a busy machine's barriers cost
+
+        cuda_graphs.graph_class = lambda device: cuda_graphs.FakeGraph
+    import transformers
+    import triton
+
+    device_name = torch.cuda.get_device_name() if plan.device.type == "cuda" else "cpu (--tiny)"
+    results = Results(Path(args.out), {"device": device_name, "torch": torch.__version__,
+                                       "triton": triton.__version__, "transformers": transformers.__version__,
+                                       "tiny": args.tiny})
+    state: dict = {}
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp_name:
+        tmp = Path(tmp_name)
+        phases = [("ceilings", lambda: phase_ceilings(plan, state)),
+                  ("kernels", lambda: phase_kernels(plan, state)),
+                  ("logits", lambda: phase_logits(plan, state, tmp)),
+                  ("graphs", lambda: phase_graphs(plan, state, tmp)),
+                  ("sweep", lambda: phase_sweep(plan, state, tmp, deadline)),
+                  ("nano_vllm", lambda: phase_nano_vllm(plan, state, tmp))]
+        for name, fn in phases:
+            if time.monotonic() > deadline and name != "ceilings":
+                results.record(name, {"error": "skipped: time budget spent"})
+                ok = False
+                continue
+            phase_start = time.monotonic()
+            try:
+                value = fn()
+            except Exception as exc:  # record and go on: later phases may still measure
+                traceback.print_exc()
+                value, ok = {"error": f"{type(exc).__name__}: {exc}"}, False
+            results.record(name, value)
+            print(f"[{time.monotonic() - start:6.1f} s] {name} done in {time.monotonic() - phase_start:.1f} s",
+                  flush=True)
+    imported = {m.split(".")[0] for m in sys.modules}
+    results.record("total", {"seconds": time.monotonic() - start,
+                             "imported_but_absent_on_gpu_machine": sorted(imported & ABSENT_ON_GPU_MACHINE)})
+    print(results.markdown())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""bench/gpu_check.py end to end on the CPU (--tiny), so its first GPU run is not its first run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_tiny_runs_every_phase(tmp_path):
+    out = tmp_path / "check.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--tiny", "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    phases = json.loads(out.read_text())["phases"]
+    assert list(phases) == ["ceilings", "kernels", "logits", "graphs", "sweep", "nano_vllm", "total"]
+    assert out.with_suffix(".md").read_text().startswith("# gpu_check")
+    for name, rows in phases.items():
+        assert "error" not in rows, (name, rows)
+    kernels = {r["kernel"] for r in phases["kernels"]}
+    assert kernels == {"paged_attention", "fused_add_rms_norm", "apply_rotary", "write_kv_cache"}
+    assert all(r["max_abs_err"] < 0.1 and r["triton_us"] > 0 for r in phases["kernels"])
+    assert [r["model"] for r in phases["logits"]] == ["smollm2-135m", "llama-3.2-1b", "qwen2.5-0.5b"]
+    assert all(r["greedy_equal_eager"] and r["greedy_equal_graphs"] and r["max_abs_logprob_diff"] < 1e-3
+               for r in phases["logits"])
+    assert all(r["same_tokens_eager_graphs"] and r["capture_s"] > 0 for r in phases["graphs"])
+    assert [r["batch"] for r in phases["sweep"]] == [1, 2, 4] * 2
+    assert all(r["output_tokens"] > 0 and r["pct_of_floor"] > 0 for r in phases["nano_vllm"])
+    assert phases["total"]["imported_but_absent_on_gpu_machine"] == []
