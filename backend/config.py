@@ -19,6 +19,7 @@ from backend.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")
+QUANTIZATIONS = ("int8",)  # weight-only int8 on the CPU (backend/models/linear_methods.py)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -117,6 +118,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None  # None: "uni" for one worker, else "mp"
     download_dir: Optional[str] = None  # where fetched and converted models live
+    # Weight quantization: None (the checkpoint's precision) or "int8" (weight-only, CPU).
+    quantization: Optional[str] = None
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}
     speculative_config: Optional[dict] = None
 
@@ -150,6 +153,9 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}.")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
+        if self.quantization not in (None, *QUANTIZATIONS):
+            bad("quantization", f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
+                f"got {self.quantization!r}.")
         if self.distributed_executor_backend not in (None, *EXECUTORS):
             bad("distributed_executor_backend",
                 f"distributed_executor_backend must be one of {', '.join(EXECUTORS)}; "
@@ -208,10 +214,15 @@ class EngineConfig:
                                       param="device")
         if self.dtype != "auto":
             self.torch_dtype_name = self.dtype
-        elif self.device_type == "cuda" or cpu_has_native_bf16():
+        elif self.quantization is None and (self.device_type == "cuda" or cpu_has_native_bf16()):
             self.torch_dtype_name = "bfloat16"
         else:
             self.torch_dtype_name = "float32"
+        if self.quantization is not None and (self.device_type != "cpu" or self.torch_dtype_name != "float32"):
+            raise InvalidRequestError(
+                f"quantization={self.quantization!r} is implemented for the CPU with float32 "
+                f"activations; got device {self.device_type}, dtype {self.torch_dtype_name}.",
+                param="quantization")
 
     def _resolve_max_model_len(self) -> None:
         cfg = self.hf_config

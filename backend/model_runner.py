@@ -15,7 +15,10 @@ import torch
 import kernels
 from backend import cuda_graphs
 from backend.config import EngineConfig
+from backend.distributed import get_parallel_state, pp_recv, pp_send
 from backend.models.attention import Attention, AttentionMetadata
+from backend.models.linear import LinearBase
+from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
 from backend.models.registry import get_model_class
 from backend.request import PositionLogprobs, SamplingParams
@@ -51,6 +54,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+        self.parallel = get_parallel_state()  # this worker's TP/PP place (set up before the runner)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.block_size = config.block_size
         self.model = None
@@ -59,7 +63,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # CUDA graphs of decode steps (None: every step eager; always so with enforce_eager).
-        self.graph_cls = None if config.enforce_eager else cuda_graphs.graph_class(device)
+        # Not captured over several workers: collectives inside a graph are not set up (yet).
+        self.graph_cls = (None if config.enforce_eager or self.parallel.world_size > 1
+                          else cuda_graphs.graph_class(device))
         self.graphs: Optional[cuda_graphs.DecodeGraphs] = None
 
     # ---- set-up -----------------------------------------------------------------
@@ -76,6 +82,11 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iter_weights(self.config.model_path))
+        method = linear_method_for(self.device, self.dtype, self.config.quantization)
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.linear_method = method
+                method.process_weights_after_loading(module)
         self.model = model.eval().requires_grad_(False)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
 
@@ -239,6 +250,21 @@ class ModelRunner:
             self.generators[s.request_id] = gen
         return gen
 
+    def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+        """The model's forward on this pipeline stage: receive the previous stage's activations,
+        run this stage's layers, and pass them on (None) or return the final hidden states."""
+        if self.graphs is not None and self.graphs.fits(inputs.meta):  # one worker only
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        parallel, intermediate = self.parallel, None
+        if not parallel.is_first_stage:
+            shape = (inputs.input_ids.shape[0], self.model.pp_hidden_size)
+            intermediate = pp_recv(self.model.pp_tensor_names, shape, self.dtype, self.device, parallel)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
+        if not parallel.is_last_stage:
+            pp_send(hidden, parallel)
+            return None
+        return hidden
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
@@ -247,14 +273,13 @@ class ModelRunner:
         if not sched.scheduled:
             return out
         inputs = self._prepare_inputs(sched.scheduled)
-        if self.graphs is not None and self.graphs.fits(inputs.meta):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
-        if not inputs.logits_rows:
+        hidden = self._forward(inputs)  # [num_tokens, hidden]; None before the last pipeline stage
+        if hidden is None or not inputs.logits_rows:
             return out
         rows = torch.tensor(inputs.logits_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_rows, vocab]
+        if logits is None:  # a TP rank other than 0: rank 0 holds the gathered logits and samples
+            return out
 
         for s, first, count, start in inputs.prompt_rows:
             targets = s.prompt_token_ids[start + 1:start + 1 + count]

@@ -13,6 +13,8 @@ import torch
 import kernels.cpu as cpu
 from kernels import reference
 
+cpu.available()  # build or load the kernels (the launchers below assume they are loaded)
+
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
