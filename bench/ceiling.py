@@ -7,7 +7,8 @@ matmul engine torch offers on this device:
 
     F.linear      torch's default (MKL on x86 CPUs)
     onednn        oneDNN with the weight prepacked once (what Tandem uses on CPU)
-    fbgemm-int8   weight-only int8, activations quantized per step (Tandem's --quantization int8)
+    int8          weight-only int8, float activations: Tandem's --quantization int8 kernel
+    fbgemm-int8   int8 weights and activations quantized per step (fbgemm; for comparison)
     F.linear bf16 only where the CPU computes bf16 natively
 
 The best unquantized engine's time is the decode step's ceiling at full
@@ -76,6 +77,12 @@ def engines(dtype_bf16: bool):
         "onednn fp32": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32),
                         lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
     }
+    import kernels.cpu
+
+    if kernels.cpu.available():
+        from backend.models.linear_methods import quantize_int8
+
+        out["int8"] = (quantize_int8, lambda x, qs: kernels.cpu.int8_linear(x, qs[0], qs[1], None))
     if torch.backends.quantized.supported_engines.count("fbgemm"):
         torch.backends.quantized.engine = "fbgemm"
 
@@ -113,21 +120,27 @@ def main() -> None:
 
     results = {"bandwidth_gbs": bandwidth, "fp32_gflops": peak, "params": params, "steps": []}
     torch.manual_seed(0)
-    weights = [torch.randn(o, i) * i ** -0.5 for i, o in layer] + [torch.randn(vocab, hidden) * 0.05]
-    counts = [num_layers] * len(layer) + [1]
+    # Every layer's own weights, as in the model: the step streams them all from memory (one
+    # layer's would stay in the CPU's cache and time far faster than a real step).
+    weights = [torch.randn(o, i) * i ** -0.5 for _ in range(num_layers) for i, o in layer]
+    weights.append(torch.randn(vocab, hidden) * 0.05)  # the LM head
     names = list(engines(cpu_has_native_bf16()))
     print(f"\nweight matmuls of one decode step, ms (best engine -> ceiling tok/s)")
     print(f"{'batch':>5} " + " ".join(f"{n:>15}" for n in names) + f" {'ceiling tok/s':>14} {'int8':>6}")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         row = {}
         for name, (prepare, run) in engines(cpu_has_native_bf16()).items():
-            total = 0.0
-            for w, count in zip(weights, counts):
-                state, x = prepare(w), torch.randn(batch, w.shape[1])
-                total += count * best_time(lambda: run(x, state), 3)
-            row[name] = total
+            states = [prepare(w) for w in weights]
+            inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+
+            def step():
+                for w, state in zip(weights, states):
+                    run(inputs[w.shape[1]], state)
+
+            row[name] = best_time(step, 3, 1.0)
+            del states
         best = min((n for n in row if "int8" not in n), key=row.get)
-        int8 = batch / row["fbgemm-int8"] if "fbgemm-int8" in row else float("nan")
+        int8 = batch / row["int8"] if "int8" in row else float("nan")
         results["steps"].append({"batch": batch, "ms": {k: v * 1e3 for k, v in row.items()}, "best": best,
                                  "ceiling_tok_s": batch / row[best], "ceiling_int8_tok_s": int8})
         print(f"{batch:>5} " + " ".join(f"{row[n] * 1e3:>15.1f}" for n in names)

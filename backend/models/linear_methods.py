@@ -38,6 +38,9 @@ class OneDnnLinearMethod(LinearMethod):
 
 class Int8LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if not kernels.cpu.available():
+            raise RuntimeError(f"quantization='int8' needs the fused CPU kernels: "
+                               f"{kernels.cpu.unavailable_reason()}")
         layer.int8_weight, layer.weight_scale = quantize_int8(layer.weight.detach().float())
         release_weight(layer)
 
