@@ -700,6 +700,9 @@ class StartupFakeBackend:
     async def tokenizer_fingerprint(self) -> str:
         return tokenizer_fingerprint(str(self.files_dir))
 
+    async def get_load(self) -> EngineLoad:
+        return EngineLoad(0, 0, 0.0)
+
     async def fetch_tokenizer(self, dest_dir) -> Path:
         self.fetches += 1
         for path in self.files_dir.iterdir():
