@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download every wheel the two images install into a local wheelhouse, for air-gapped image builds:
 #
-#   deploy/wheelhouse.sh [DIR]        default DIR: .wheelhouse  ->  DIR/frontend, DIR/backend
+#   deploy/wheelhouse.sh [DIR]        default DIR: .wheelhouse  ->  DIR/backend, DIR/frontend
 #
 # Run it with the Python the images will have (same version and platform: the wheels are binary).
 # torch is pinned to TANDEM_TORCH (default 2.13.0: on the CPU machines that resolves to the CPU
@@ -15,7 +15,7 @@ torch=${TANDEM_TORCH:-2.13.0}
 stamp="$(sha256sum pyproject.toml | cut -c1-16)-torch$torch-$(python3 -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
 build_requires=(setuptools">=68" wheel)
 
-download() {  # download WHERE REQUIREMENT...
+download() {  # download WHERE [PIP OPTIONS] REQUIREMENT...
     local where=$1
     shift
     if [[ -f $where/.stamp && $(cat "$where/.stamp") == "$stamp" ]]; then
@@ -29,5 +29,6 @@ download() {  # download WHERE REQUIREMENT...
     echo "wheelhouse $where: $(ls "$where"/*.whl | wc -l) wheels, $(du -sh "$where" | cut -f1)"
 }
 
-download "$dir/frontend" .
 download "$dir/backend" "torch==$torch" ".[backend]"
+# The frontend's wheels are a subset of the backend's: resolved from those, with no index.
+download "$dir/frontend" --no-index --find-links "$dir/backend" .

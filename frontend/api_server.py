@@ -1,6 +1,7 @@
-"""The stateless OpenAI-compatible HTTP frontend of a Tandem backend (no torch).
+"""The stateless OpenAI-compatible HTTP frontend of Tandem backends (no torch).
 
-    python -m frontend.api_server --backend HOST:PORT [--host 127.0.0.1] [--port 8000]
+    python -m frontend.api_server --backend HOST:PORT[,HOST:PORT...|dns:///NAME:PORT]
+        [--routing prefix|round-robin|least-loaded] [--host 127.0.0.1] [--port 8000]
         [--tokenizer DIR] [--api-key KEY] [--served-model-name NAME]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
@@ -9,7 +10,8 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
 module assembles the app: routes, API-key check, the one mapping of errors to
 OpenAI error JSON, request IDs and HTTP metrics.
 
-On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
+Requests reach the backends through ``frontend.router.Router`` (one backend or
+many). On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
 the backend's (cached by fingerprint), and refuses to start when its
 fingerprint differs from the backend's: the two sides would disagree on what
 token IDs mean.

@@ -19,8 +19,9 @@ Each request goes to one backend (``choose``):
    sent to the next choice, each backend tried at most once.
 
 Health: every ``check_interval`` seconds each backend is asked ``grpc.health.v1`` and ``GetLoad``;
-an unreachable or NOT_SERVING backend (or a Generate refused as UNAVAILABLE) is skipped at once
-and taken back as soon as a check finds it SERVING. A backend joining with a different model or
+a backend failing two checks in a row (a busy one may miss one), or refusing a Generate as
+UNAVAILABLE, is skipped, and taken back as soon as a check finds it SERVING. When no backend
+looks healthy, those that served before are still tried rather than failing the request unseen. A backend joining with a different model or
 tokenizer than the first one seen is refused (logged), since token IDs would mean other things.
 """
 
@@ -52,6 +53,9 @@ DEFAULT_PREFIX_TOKENS = 64  # four 16-token KV blocks
 DEFAULT_BALANCE_ABS = 8  # sequences
 DEFAULT_BALANCE_REL = 1.5
 CHECK_INTERVAL_S = 1.0
+UNHEALTHY_AFTER_CHECKS = 2  # failed checks in a row that take a backend out (a refused call: at once)
+ADMIT_TIMEOUT_S = 10.0
+LOAD_TIMEOUT_S = 2.0
 RESOLVE_INTERVAL_S = 5.0
 
 
@@ -107,6 +111,8 @@ class Backend:
     address: str
     client: GrpcEngineClient
     healthy: bool = False
+    admitted: bool = False  # has served the reference model (so worth a try even when checks miss)
+    failed_checks: int = 0  # health checks failed in a row
     refused: Optional[str] = None  # why it is never used (another model or tokenizer)
     polled_load: int = 0  # running + waiting sequences at the last GetLoad
     in_flight: int = 0  # this frontend's requests on it now
@@ -174,6 +180,11 @@ class Router:
         """
         candidates = sorted((b for b in self.backends.values() if b.usable and b.address not in exclude),
                             key=lambda b: b.address)
+        if not candidates:
+            # None looks healthy: try those that served this model before rather than fail
+            # outright (health checks can miss on a busy machine; a dead one refuses at once).
+            candidates = sorted((b for b in self.backends.values() if b.admitted and b.refused is None
+                                 and not b.retired and b.address not in exclude), key=lambda b: b.address)
         if not candidates:
             known = ", ".join(f"{b.address} ({self._state(b)})" for b in self.backends.values()) or "none found"
             raise NoBackendError(f"No backend can take the request now; backends: {known}.")
@@ -330,19 +341,27 @@ class Router:
             healthy = await backend.client.health()
             if healthy and not backend.healthy:  # new, or back (perhaps restarted with another model)
                 backend.refused = None
-                await self._admit(backend)
-            if healthy:
-                load = await backend.client.get_load()
-                backend.polled_load = load.num_requests_running + load.num_requests_waiting
-                backend.in_flight_at_poll = backend.in_flight
-        except TandemError as error:
+                await asyncio.wait_for(self._admit(backend), ADMIT_TIMEOUT_S)
+        except (TandemError, asyncio.TimeoutError) as error:
             healthy = False
             logger.debug("Backend %s check failed: %s", backend.address, error)
-        if healthy and not backend.healthy:
+        if not healthy:
+            backend.failed_checks += 1
+            # One missed check is no verdict: a backend busy computing may answer late.
+            if backend.healthy and backend.failed_checks >= UNHEALTHY_AFTER_CHECKS:
+                self._mark_down(backend, f"{backend.failed_checks} health checks failed in a row")
+            return
+        backend.failed_checks = 0
+        if not backend.healthy:
             logger.info("Backend %s is serving.", backend.address)
-        elif not healthy and backend.healthy:
-            self._mark_down(backend, "its health check failed")
-        backend.healthy = healthy
+            backend.healthy = True
+            backend.admitted = backend.refused is None
+        try:
+            load = await asyncio.wait_for(backend.client.get_load(), LOAD_TIMEOUT_S)
+        except (TandemError, asyncio.TimeoutError):
+            return  # keep the last figure: a late load report says nothing about health
+        backend.polled_load = load.num_requests_running + load.num_requests_waiting
+        backend.in_flight_at_poll = backend.in_flight
 
     async def _admit(self, backend: Backend) -> None:
         """Compare a backend's model and tokenizer with the first backend's; refuse it if they differ."""

@@ -35,6 +35,7 @@ class FakeBackend:
         self.fail_after_output: Optional[Exception] = None
         self.aborted: list[str] = []
         self.closed = False
+        self.answers_when_unhealthy = False  # its health checks miss, yet it serves (a busy backend)
 
     async def health(self) -> bool:
         return self.healthy
@@ -51,6 +52,8 @@ class FakeBackend:
     async def generate(self, request_id, prompt_token_ids, params, **options):
         if self.fail_before_output is not None:
             raise self.fail_before_output
+        if not self.healthy and not self.answers_when_unhealthy:
+            raise BackendUnavailableError(f"{self.address}: connection refused")
         self.served.append(list(prompt_token_ids))
         yield EngineOutput(request_id, 0, [1])
         if self.fail_after_output is not None:
@@ -73,6 +76,12 @@ def make_router(addresses=("a:1", "b:1", "c:1"), **kwargs) -> tuple[Router, dict
 
     router = Router(parse_targets(",".join(addresses)), client_factory=factory, **kwargs)
     return router, fakes
+
+
+async def refresh(router: Router, rounds: int = 2) -> None:
+    """Enough check rounds for a health change to take effect (one missed check is no verdict)."""
+    for _ in range(rounds):
+        await router.refresh()
 
 
 async def send(router: Router, prompt: list[int], request_id: str = "r") -> list[int]:
@@ -143,7 +152,7 @@ def test_affinity_agrees_across_routers_and_survives_losing_another_backend():
         assert picks == [second.choose(p)[0].address for p in prompts]
         lost = picks[0]
         first_fakes[lost].healthy = False
-        await first.refresh()
+        await refresh(first)
         after = [first.choose(p)[0].address for p in prompts]
         await first.close()
         await second.close()
@@ -220,6 +229,8 @@ def test_an_unhealthy_backend_is_skipped_and_taken_back_when_it_serves_again():
         favourite = router.choose(prompt)[0].address
         fakes[favourite].healthy = False
         await router.refresh()
+        assert router.choose(prompt)[0].address == favourite  # one missed check is no verdict
+        await router.refresh()
         assert await router.health()  # the others still serve
         await send(router, prompt)
         during = serving(fakes, prompt)
@@ -278,14 +289,30 @@ def test_no_healthy_backend_is_unavailable_and_unhealthy():
         fakes_health = await router.health()
         await router.refresh()
         fakes["a:1"].healthy = False
-        await router.refresh()
-        with pytest.raises(BackendUnavailableError, match="No backend can take the request"):
-            await send(router, [1])
+        await refresh(router)
+        with pytest.raises(BackendUnavailableError, match="connection refused"):
+            await send(router, [1])  # tried anyway (it served before), and it refused
         healthy = await router.health()
         await router.close()
         return fakes_health, healthy
 
     assert run(scenario()) == (False, False)
+
+
+def test_when_every_check_misses_backends_that_served_before_are_still_tried():
+    async def scenario():
+        router, fakes = make_router(("a:1", "b:1"))
+        await router.refresh()
+        for fake in fakes.values():
+            fake.healthy = False  # a busy machine: checks time out...
+            fake.answers_when_unhealthy = True  # ...but requests are served
+        await refresh(router)
+        healthy = await router.health()
+        tokens = await send(router, [4] * 10)
+        await router.close()
+        return healthy, tokens
+
+    assert run(scenario()) == (False, [1, 2])
 
 
 def test_abort_goes_to_the_backend_running_the_request():
@@ -313,7 +340,7 @@ def test_a_backend_with_another_model_or_tokenizer_is_refused():
         await router.refresh()
         fakes["b:1"].fingerprint = "0" * 64  # b came up with another tokenizer
         fakes["b:1"].healthy = False
-        await router.refresh()
+        await refresh(router)
         fakes["b:1"].healthy = True
         await router.refresh()
         refused = router.backends["b:1"].refused
