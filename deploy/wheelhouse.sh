@@ -23,7 +23,13 @@ download() {  # download WHERE [PIP OPTIONS] REQUIREMENT...
         return
     fi
     rm -rf "$where" && mkdir -p "$where"
-    nice -n 19 python3 -m pip download --quiet --only-binary=:all: -d "$where" "${build_requires[@]}" "$@"
+    # pip's output only if it fails (a machine's pip configuration can warn a lot).
+    if ! nice -n 19 python3 -m pip download --quiet --only-binary=:all: -d "$where" "${build_requires[@]}" "$@" \
+        >"$where.log" 2>&1; then
+        cat "$where.log" >&2
+        exit 1
+    fi
+    rm -f "$where.log"
     rm -f "$where"/tandem-*  # the project itself is built inside the image
     echo "$stamp" > "$where/.stamp"
     echo "wheelhouse $where: $(ls "$where"/*.whl | wc -l) wheels, $(du -sh "$where" | cut -f1)"

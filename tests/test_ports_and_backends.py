@@ -30,14 +30,15 @@ STARTUP_TIMEOUT_S = 90
 
 
 class BackendProcess:
-    def __init__(self, model_dir: Path, log: Path, port: int = 0, metrics_port: int = 0) -> None:
+    def __init__(self, model_dir: Path, log: Path, port: int = 0, metrics_port: int = 0,
+                 extra: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.log = log
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "backend.server", str(model_dir), "--host", "127.0.0.1", "--port",
-                 str(self.port), "--metrics-port", str(self.metrics_port), *ENGINE_FLAGS],
+                 str(self.port), "--metrics-port", str(self.metrics_port), *ENGINE_FLAGS, *extra],
                 cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_serving(self) -> "BackendProcess":
@@ -101,9 +102,22 @@ def test_serve_checks_every_port_it_opens_before_starting(flag, tmp_path):
     assert "no-model" not in result.stderr  # nothing started
 
 
-def test_the_grpc_port_is_exclusive_and_a_second_backend_is_refused(tiny_checkpoint, tmp_path):
-    first = BackendProcess(tiny_checkpoint("llama"), tmp_path / "first.log").wait_serving()
+def test_the_grpc_port_is_exclusive_a_second_backend_is_refused_and_connections_age(tiny_checkpoint, tmp_path):
+    first = BackendProcess(tiny_checkpoint("llama"), tmp_path / "first.log",
+                           extra=("--max-connection-age", "1")).wait_serving()
     try:
+        # --max-connection-age: the server ends a connection after ~1 s, so the client reconnects
+        # (behind a balancer or a DNS name, possibly to a new replica).
+        states: list[grpc.ChannelConnectivity] = []
+        channel = grpc.insecure_channel(f"127.0.0.1:{first.port}")
+        channel.subscribe(states.append, try_to_connect=True)
+        grpc.channel_ready_future(channel).result(timeout=10)
+        deadline = time.monotonic() + 10
+        while grpc.ChannelConnectivity.IDLE not in states[states.index(grpc.ChannelConnectivity.READY):]:
+            assert time.monotonic() < deadline, states
+            time.sleep(0.1)
+        channel.close()
+
         # gRPC's default SO_REUSEPORT would let this server share the port: ours forbids it.
         intruder = grpc.server(ThreadPoolExecutor(1))
         with pytest.raises(RuntimeError):
