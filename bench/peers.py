@@ -29,8 +29,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serving  # noqa: E402
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import serving  # noqa: E402
 
 LLAMA_SERVER = """
 import sys, time, xllamacpp

@@ -23,10 +23,14 @@ import asyncio
 import json
 import statistics
 import sys
+from pathlib import Path
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 SENTENCES = [
     "The history of the printing press begins in the fifteenth century in Europe.",
