@@ -18,6 +18,8 @@ batch is the "fraction of the ceiling" the performance targets speak of.
 
     python bench/ceiling.py                    # default model, batches 1,8,32,64,128
     python bench/ceiling.py --batch-sizes 1,32 --json ceiling.json
+    python bench/ceiling.py --engine           # also Tandem's own decode step: its ratio to the ceiling
+    python bench/ceiling.py --engine --quantization int8
 """
 
 from __future__ import annotations
@@ -102,10 +104,38 @@ def engines(dtype_bf16: bool):
     return out
 
 
+def engine_step_ms(model, quantization, batch: int, context: int, steps: int = 12) -> float:
+    """Median ms of the engine's step() while ``batch`` sequences decode, ~``context`` tokens each."""
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.request import SamplingParams
+
+    config = EngineConfig(model=model, quantization=quantization, max_num_seqs=max(batch, 1)).resolve()
+    engine = LLMEngine(config)
+    vocab = config.hf_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    generator = torch.Generator().manual_seed(batch)
+    for i in range(batch):  # distinct prompts: no prefix sharing
+        prompt = torch.randint(100, vocab - 100, (context,), generator=generator).tolist()
+        engine.add_request(f"r{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()  # prefill everyone first
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.shutdown()
+    return sorted(times)[len(times) // 2] * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--batch-sizes", default="1,8,32,64,128")
+    parser.add_argument("--engine", action="store_true", help="also time Tandem's decode step at each batch")
+    parser.add_argument("--quantization", default=None, help="the engine's --quantization (with --engine)")
+    parser.add_argument("--context", type=int, default=200, help="tokens cached per sequence (with --engine)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
@@ -153,6 +183,15 @@ def main() -> None:
     floor = params * 4 / bandwidth / 1e9
     print(f"\nbatch-1 bandwidth floor: fp32 weights {floor * 1e3:.1f} ms/step ({1 / floor:.0f} tok/s), "
           f"int8 {floor / 4 * 1e3:.1f} ms ({4 / floor:.0f} tok/s)")
+    if args.engine:
+        print(f"\nTandem's decode step ({args.quantization or config.torch_dtype_name} weights, {args.context} tokens "
+              f"cached per sequence): ms, and its ratio to the ceiling's step (target <= 1.4 at batch 32)")
+        print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7} {'/ ceiling':>10}")
+        for step in results["steps"]:
+            ms = engine_step_ms(args.model, args.quantization, step["batch"], args.context)
+            ceiling_ms = step["ms"]["int8" if args.quantization == "int8" else step["best"]]
+            step["engine_ms"] = ms
+            print(f"{step['batch']:>5} {ms:>8.1f} {step['batch'] / ms * 1e3:>7.0f} {ms / ceiling_ms:>10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

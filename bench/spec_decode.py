@@ -7,6 +7,7 @@ produced the same tokens.
 
     python bench/spec_decode.py
     python bench/spec_decode.py --num-speculative-tokens 6 --max-tokens 200
+    python bench/spec_decode.py --quantization int8      # both runs on int8 weights
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def run_one(args) -> dict:
     if args.run == "spec":
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                 "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": 1}
-    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype)
+    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, quantization=args.quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     tokens, elapsed = [], 0.0
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--quantization", default=None, help="e.g. int8 (both runs)")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -78,12 +80,14 @@ def main() -> None:
     for run in ("plain", "spec"):
         argv = [sys.executable, __file__, "--run", run, "--max-tokens", str(args.max_tokens), "--dtype",
                 args.dtype, "--num-speculative-tokens", str(args.num_speculative_tokens),
-                "--prompt-lookup-max", str(args.prompt_lookup_max)] + (["--model", args.model] if args.model else [])
+                "--prompt-lookup-max", str(args.prompt_lookup_max)] + (["--model", args.model] if args.model else []) \
+            + (["--quantization", args.quantization] if args.quantization else [])
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
         results[run] = json.loads(line[len("RESULT "):])
     plain, spec = results["plain"], results["spec"]
-    print(f"{len(PARAGRAPHS)} copy-with-edits prompts, batch 1, greedy, up to {args.max_tokens} tokens each")
+    print(f"{len(PARAGRAPHS)} copy-with-edits prompts, batch 1, greedy, up to {args.max_tokens} tokens each"
+          + (f", {args.quantization} weights" if args.quantization else ""))
     print(f"{'':<8} {'tok/s':>8} {'drafts':>8} {'accepted':>9}")
     for r in (plain, spec):
         print(f"{r['run']:<8} {r['tokens'] / r['seconds']:>8.1f} {r['drafts']:>8} {r['accepted']:>9}")

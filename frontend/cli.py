@@ -55,6 +55,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):  # the JSON-valued flags (speculative_config)
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from backend.config import EngineConfig, SpeculativeConfig
@@ -118,3 +120,15 @@ def test_copying_text_accepts_most_drafts_on_the_default_model(default_model_dir
     engine = make_engine(default_model_dir, block_size=16, speculative_config=SPEC)
     assert run_engine(engine, [prompt], params) == plain
     assert engine.num_accepted_tokens_total >= engine.num_draft_tokens_total / 2 > 0
+
+
+def test_serve_hands_speculative_config_to_its_backend_as_json():
+    """`tandem serve --speculative-config JSON` re-emits the dict as JSON the backend parses back."""
+    import argparse
+
+    from frontend.cli import build_parser, engine_argv
+
+    args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(SPEC)])
+    backend = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(backend)
+    assert backend.parse_args(engine_argv(args)).speculative_config == SPEC
