@@ -31,24 +31,14 @@ import httpx
 
 # Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-SENTENCES = [
-    "The history of the printing press begins in the fifteenth century in Europe.",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
-    "A distributed system is one in which the failure of a computer you did not know existed can render your own computer unusable.",
-    "The Pacific Ocean is the largest and deepest of the world's five oceanic divisions.",
-    "In mathematics, a prime number is a natural number greater than one with no divisors other than one and itself.",
-    "Rivers carve valleys over millions of years, carrying sediment from mountains to the sea.",
-    "The recipe calls for flour, butter, sugar, two eggs and a pinch of salt.",
-    "Jazz emerged in New Orleans in the early twentieth century, blending blues and ragtime.",
-]
+from bench.prompts import document  # noqa: E402
 
 
 def make_prompts(num: int, prompt_len: int, tokenizer=None) -> list[str]:
     """num distinct prompts of about prompt_len tokens (exactly, when a tokenizer is given)."""
     prompts = []
     for i in range(num):
-        text = f"Document {i}. " + " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(3 * prompt_len // 20 + 4))
+        text = document(i, 3 * prompt_len // 20 + 4)
         if tokenizer is not None:
             text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:prompt_len])
         else:
