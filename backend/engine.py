@@ -21,6 +21,7 @@ from backend.executor import create_executor
 from backend.request import (EngineLoad, EngineOutput, FinishReason, ModelInfo, Request,
                              SamplingParams)
 from backend.scheduler import Scheduler
+from backend.structured_output import GrammarViolation, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.children: dict[str, list[str]] = {}  # parent request ID -> its sequences' IDs
+        self.structured_output = StructuredOutputManager(str(config.tokenizer_path), self.vocab_size,
+                                                         self.eos_token_ids)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens", config.served_model_name,
@@ -91,18 +94,26 @@ class LLMEngine:
                                           param=name)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue a request (``params.n`` sequences). Raises InvalidRequestError for bad input."""
+                    arrival_time: Optional[float] = None, grammar: object = None) -> None:
+        """Queue a request (``params.n`` sequences). Raises InvalidRequestError for bad input.
+
+        ``grammar``: ``params.structured_outputs`` compiled already (``compile_async``);
+        without it a constrained request is compiled here, on the caller's thread.
+        """
         if request_id in self.children:
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
                                       param="request_id")
         self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.structured_output.compile(params.structured_outputs)
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.children[request_id] = ids
         for index, child_id in enumerate(ids):
             child_params = params
             if params.seed is not None and params.n > 1:
                 child_params = SamplingParams(**{**vars(params), "seed": params.seed + index})
+            if grammar is not None:
+                self.structured_output.add(child_id, grammar)
             self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,
                                                self.eos_token_id, parent_id=request_id,
                                                index=index, arrival_time=arrival_time))
@@ -113,7 +124,7 @@ class LLMEngine:
             for child_id in self.children.pop(request_id, []):
                 request = self.scheduler.requests.get(child_id)
                 if request is not None:
-                    self.scheduler.finish_request(request, FinishReason.ABORT)
+                    self._finish(request, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -122,6 +133,10 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         sched = self.scheduler.schedule()
+        constrained = self.structured_output.has_matchers
+        if constrained:
+            sched.grammar = self.structured_output.grammar_bitmask(
+                s.request_id for s in sched.scheduled if s.needs_sample)
         runner_out = self.executor.execute_model(sched)
         outputs: list[EngineOutput] = []
         now = time.monotonic()
@@ -142,6 +157,8 @@ class LLMEngine:
             if first:
                 request.first_token_time = now
             reason = self._check_stop(request, token_id)
+            if constrained and reason is None:
+                reason = self._advance_grammar(request, token_id)
             logprobs = runner_out.logprobs.get(s.request_id)
             outputs.append(EngineOutput(
                 request_id=request.parent_id, index=request.index, new_token_ids=[token_id],
@@ -152,9 +169,23 @@ class LLMEngine:
                 prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
                 else None))
             if reason is not None:
-                self.scheduler.finish_request(request, reason)
+                self._finish(request, reason)
                 self._forget_child(request)
         return outputs
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish_request(request, reason)
+        if self.structured_output.has_matchers:
+            self.structured_output.remove((request.request_id,))
+
+    def _advance_grammar(self, request: Request, token_id: int) -> Optional[FinishReason]:
+        """Feed the sampled token to the sequence's grammar: STOP once its text is complete."""
+        try:
+            complete = self.structured_output.accept(request.request_id, token_id)
+        except GrammarViolation as error:  # no allowed token was left (see accept)
+            logger.warning("%s; ending the sequence.", error)
+            return FinishReason.ABORT
+        return FinishReason.STOP if complete else None
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, logprobs: list) -> None:
         """Append logprobs of prompt tokens first_pos.. (a recomputed chunk is already there)."""
@@ -198,6 +229,7 @@ class LLMEngine:
                           self.block_manager.usage)
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
 
@@ -220,7 +252,8 @@ class AsyncLLMEngine:
             self._thread.shutdown(wait=False)
             raise
         self._lock = threading.Lock()
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
+        # (request ID, prompt, params, arrival time, compiled grammar or None)
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, float, object]] = []
         self._pending_aborts: list[str] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -238,10 +271,17 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
                                       param="request_id")
         self.engine.validate(prompt_token_ids, params)
+        arrival = time.monotonic()
+        grammar = None
+        if params.structured_outputs is not None:  # off the engine thread; errors before queueing
+            grammar = await self.engine.structured_output.compile_async(params.structured_outputs)
+            if request_id in self._streams:
+                raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
+                                          param="request_id")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         with self._lock:
-            self._pending_adds.append((request_id, list(prompt_token_ids), params, time.monotonic()))
+            self._pending_adds.append((request_id, list(prompt_token_ids), params, arrival, grammar))
         self._ensure_loop()
         remaining = params.n
         try:
@@ -287,9 +327,9 @@ class AsyncLLMEngine:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
         errors = []
-        for request_id, prompt, params, arrival in adds:
+        for request_id, prompt, params, arrival, grammar in adds:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival)
+                self.engine.add_request(request_id, prompt, params, arrival, grammar)
             except InvalidRequestError as e:
                 errors.append((request_id, e))
         self.engine.abort_request(aborts)

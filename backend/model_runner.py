@@ -261,7 +261,10 @@ class ModelRunner:
                                 output_token_ids=s.output_token_ids, eos_token_id=s.eos_token_id,
                                 generator=self._generator(s))
                     for s, _ in inputs.sample_rows]
-            sampled = self.sampler(logits, rows)
+            allowed = None
+            if sched.grammar is not None:  # structured outputs: only then is there work here
+                allowed = sched.grammar.for_sampler_rows([s.request_id for s, _ in inputs.sample_rows])
+            sampled = self.sampler(logits, rows, allowed)
             for (s, _), token_id, logprobs in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
                 out.sampled_token_ids[s.request_id] = token_id
                 if logprobs is not None:

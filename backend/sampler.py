@@ -1,19 +1,23 @@
 """Pick the next token of every sequence from its logits (vLLM's semantics).
 
-Order per step: raw logprobs → min_tokens masking → penalties → greedy argmax
-or temperature → top-k → top-p → min-p → exponential-race sampling.
-Logprobs always describe the model's raw distribution, before any of the
-sampling transforms.
+Order per step: structured-output mask → raw logprobs → min_tokens masking →
+penalties → greedy argmax or temperature → top-k → top-p → min-p →
+exponential-race sampling. Logprobs describe the model's raw distribution
+(after the structured-output mask, as vLLM's), before any of the sampling
+transforms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from backend.request import Logprob, PositionLogprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from backend.structured_output import TokenBitmask
 
 _NEG_INF = float("-inf")
 # Top-p first ranks only this many most likely tokens; wider nuclei fall back to a full sort.
@@ -54,10 +58,17 @@ class SamplerOutput:
 class Sampler:
     """Stateless: per-request state (tokens, RNG) comes in with the rows."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab], any float dtype; all math runs in float32."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 allowed_tokens: Optional[TokenBitmask] = None) -> SamplerOutput:
+        """logits: [num_rows, vocab], any float dtype; all math runs in float32.
+
+        ``allowed_tokens`` (structured outputs) masks the other tokens of its rows
+        first, in place: like vLLM, logprobs then describe the masked distribution.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}.")
+        if allowed_tokens is not None:
+            allowed_tokens.apply_(logits)
         num_rows = len(rows)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         min_tokens_rows = [i for i, row in enumerate(rows) if row.below_min_tokens]

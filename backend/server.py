@@ -37,7 +37,8 @@ from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
 from backend.errors import EngineDeadError, InvalidRequestError, TandemError
 from backend.metrics import EngineMetrics
-from backend.request import EngineOutput, FinishReason, Logprob, PositionLogprobs, SamplingParams
+from backend.request import (EngineOutput, FinishReason, Logprob, PositionLogprobs, SamplingParams,
+                             StructuredOutputsParams)
 from backend.tokenizer_files import tokenizer_file_names, tokenizer_fingerprint
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -110,7 +111,20 @@ def sampling_params_from_proto(message: engine_pb2.SamplingParams) -> SamplingPa
             continue
         value = getattr(message, field.name)
         kwargs[field.name] = list(value) if field.is_repeated else value
+    kwargs["logprob_token_ids"] = kwargs["logprob_token_ids"] or None  # empty: off
+    if "structured_outputs" in kwargs:
+        kwargs["structured_outputs"] = structured_outputs_from_proto(message.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def structured_outputs_from_proto(message: engine_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs is set but holds no constraint.", param="structured_outputs")
+    value = {"json_schema": lambda: {"json": message.json_schema}, "json_object": lambda: {"json_object": True},
+             "regex": lambda: {"regex": message.regex}, "choice": lambda: {"choice": list(message.choice.choices)},
+             "grammar": lambda: {"grammar": message.grammar}}[kind]()
+    return StructuredOutputsParams(**value, disable_any_whitespace=message.disable_any_whitespace)
 
 
 def _logprob_to_proto(token_id: int, logprob: Logprob) -> engine_pb2.Logprob:
