@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterable, Optional
 
+from backend.beam_search import BeamSearch
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import EngineDeadError, InvalidRequestError
@@ -26,6 +27,7 @@ from backend.structured_output import GrammarViolation, StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default)
+MAX_LOGPROB_TOKEN_IDS = 128  # tokens a request may ask logprobs of by ID (each costs a vocab-wide rank)
 
 
 def _eos_token_ids(config: EngineConfig) -> list[int]:
@@ -65,6 +67,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.children: dict[str, list[str]] = {}  # parent request ID -> its sequences' IDs
+        self.beams: dict[str, BeamSearch] = {}  # beam-search request ID -> its search
         self.structured_output = StructuredOutputManager(str(config.tokenizer_path), self.vocab_size,
                                                          self.eos_token_ids)
         self.num_prompt_tokens_total = 0
@@ -92,6 +95,14 @@ class LLMEngine:
             if value is not None and value > MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.",
                                           param=name)
+        for name in ("stop_token_ids", "logprob_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} holds token ID {bad[0]}, outside the vocabulary "
+                                          f"(size {self.vocab_size}).", param=name)
+        if params.logprob_token_ids is not None and len(params.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise InvalidRequestError(f"logprob_token_ids may list at most {MAX_LOGPROB_TOKEN_IDS} tokens, "
+                                      f"got {len(params.logprob_token_ids)}.", param="logprob_token_ids")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, grammar: object = None) -> None:
@@ -106,6 +117,12 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured_output.compile(params.structured_outputs)
+        if params.use_beam_search:
+            search = BeamSearch(request_id, prompt_token_ids, params, self.eos_token_ids,
+                                self.config.max_model_len, arrival_time or time.monotonic())
+            self.beams[request_id] = search
+            self._start_beam_round(search)
+            return
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.children[request_id] = ids
         for index, child_id in enumerate(ids):
@@ -121,6 +138,7 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests (all their sequences) and free their blocks; unknown IDs are ignored."""
         for request_id in request_ids:
+            self.beams.pop(request_id, None)
             for child_id in self.children.pop(request_id, []):
                 request = self.scheduler.requests.get(child_id)
                 if request is not None:
@@ -139,6 +157,7 @@ class LLMEngine:
                 s.request_id for s in sched.scheduled if s.needs_sample)
         runner_out = self.executor.execute_model(sched)
         outputs: list[EngineOutput] = []
+        finished_rounds: list[BeamSearch] = []
         now = time.monotonic()
         for s in sched.scheduled:
             request = self.scheduler.requests[s.request_id]
@@ -151,6 +170,13 @@ class LLMEngine:
             if not s.needs_sample:
                 continue
             token_id = runner_out.sampled_token_ids[s.request_id]
+            search = self.beams.get(request.parent_id) if self.beams else None
+            if search is not None:  # a beam's one-token child: its logprobs are the candidates
+                self.num_generation_tokens_total += 1
+                self._finish(request, FinishReason.LENGTH)
+                if search.record(request.request_id, runner_out.logprobs[s.request_id]):
+                    finished_rounds.append(search)
+                continue
             first = request.num_output_tokens == 0
             request.append_output_token(token_id)
             self.num_generation_tokens_total += 1
@@ -171,7 +197,19 @@ class LLMEngine:
             if reason is not None:
                 self._finish(request, reason)
                 self._forget_child(request)
+        for search in finished_rounds:
+            if search.advance():
+                outputs.extend(search.outputs())
+                del self.beams[search.request_id], self.children[search.request_id]
+            else:
+                self._start_beam_round(search)
         return outputs
+
+    def _start_beam_round(self, search: BeamSearch) -> None:
+        children = search.next_children(self.eos_token_id)
+        self.children[search.request_id] = [child.request_id for child in children]
+        for child in children:
+            self.scheduler.add_request(child)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish_request(request, reason)

@@ -205,6 +205,11 @@ class SamplingParams:
                 bad("logprobs", "With use_beam_search only the chosen tokens' logprobs (logprobs=0) are returned.")
 
     @property
+    def wants_logprobs(self) -> bool:
+        """Each generated token comes with its logprobs (top-k or of logprob_token_ids)."""
+        return self.logprobs is not None or self.logprob_token_ids is not None
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 

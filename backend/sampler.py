@@ -52,7 +52,7 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
-    logprobs: list[Optional[PositionLogprobs]]  # per row; None unless params.logprobs is set
+    logprobs: list[Optional[PositionLogprobs]]  # per row; None unless logprobs or logprob_token_ids is set
 
 
 class Sampler:
@@ -70,7 +70,7 @@ class Sampler:
         if allowed_tokens is not None:
             allowed_tokens.apply_(logits)
         num_rows = len(rows)
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.wants_logprobs]
         min_tokens_rows = [i for i, row in enumerate(rows) if row.below_min_tokens]
         penalty_rows = [i for i, row in enumerate(rows) if row.has_penalties]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -103,7 +103,8 @@ class Sampler:
         logprobs: list[Optional[PositionLogprobs]] = [None] * num_rows
         if raw_logprobs is not None:
             chosen = token_ids[torch.tensor(logprob_rows, device=device)]
-            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs for i in logprob_rows])
+            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs or 0 for i in logprob_rows],
+                                           [rows[i].params.logprob_token_ids for i in logprob_rows])
             for i, position in zip(logprob_rows, positions):
                 logprobs[i] = position
         return SamplerOutput(token_ids.tolist(), logprobs)
@@ -292,12 +293,15 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 
 
 def _position_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int]
+    logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int],
+    token_ids: Optional[list[Optional[list[int]]]] = None,
 ) -> list[PositionLogprobs]:
     """logprobs [n, vocab], chosen [n] → per row {chosen: Logprob, then top-k by rank}.
 
     The chosen token's rank is 1 + the number of tokens strictly more likely; the
     top-k get ranks 1..k. A chosen token that is also in the top-k appears once.
+    Where ``token_ids[i]`` is given, row i lists those tokens (in that order,
+    each with its rank) instead of a top-k.
     """
     chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))  # [n, 1]
     chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
@@ -311,9 +315,17 @@ def _position_logprobs(
         zip(chosen.tolist(), chosen_logprobs.squeeze(1).tolist(), chosen_ranks.tolist())
     ):
         position: PositionLogprobs = {token_id: Logprob(logprob, rank)}
-        for top_rank in range(min(num_tops[i], max_top)):
-            top_id = top_ids[i][top_rank]
-            if top_id not in position:
-                position[top_id] = Logprob(top_values[i][top_rank], top_rank + 1)
+        wanted = token_ids[i] if token_ids is not None else None
+        if wanted is not None:
+            ids = torch.tensor(wanted, device=logprobs.device)
+            values = logprobs[i].index_select(0, ids)  # [m]
+            ranks = (logprobs[i].unsqueeze(0) > values.unsqueeze(1)).sum(dim=-1) + 1  # [m]
+            for wanted_id, value, wanted_rank in zip(wanted, values.tolist(), ranks.tolist()):
+                position.setdefault(wanted_id, Logprob(value, wanted_rank))
+        else:
+            for top_rank in range(min(num_tops[i], max_top)):
+                top_id = top_ids[i][top_rank]
+                if top_id not in position:
+                    position[top_id] = Logprob(top_values[i][top_rank], top_rank + 1)
         result.append(position)
     return result
