@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerFast
 
 from backend.config import EngineConfig
-from backend.errors import TandemError
+from backend.errors import InvalidRequestError, TandemError
 from backend.request import ModelInfo
 from frontend import protocol as P
 from frontend.engine_client import EngineClient
@@ -57,6 +57,7 @@ from frontend.serving import (
     error_of_exception,
 )
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
+from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -198,14 +199,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
-               api_key: Optional[str] = None) -> FastAPI:
+               api_key: Optional[str] = None, tool_call_parser: str = "auto") -> FastAPI:
     """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
 
     ``/health`` asks ``engine_client.health()`` (``GrpcEngineClient`` has it).
     """
-    serving = OpenAIServing(engine_client, tokenizer, model_info)
+    serving = OpenAIServing(engine_client, tokenizer, model_info, tool_call_parser)
     metrics = HttpMetrics()
-    app = FastAPI(title="Tandem", version=tandem_version(), docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs describe exactly the request models the routes parse.
+    app = FastAPI(title="Tandem", version=tandem_version(), docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     protected = [Depends(api_key_checker(api_key))]
 
     @app.post("/v1/completions", dependencies=protected)
@@ -216,13 +219,36 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving.create_chat_completion(request, raw_request)
 
+    @app.post("/invocations", dependencies=protected, response_model=None)
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
+        body = await raw_request.json()
+        if isinstance(body, dict) and "messages" in body:
+            return await serving.create_chat_completion(P.ChatCompletionRequest.model_validate(body), raw_request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await serving.create_completion(P.CompletionRequest.model_validate(body), raw_request)
+        raise InvalidRequestError("/invocations takes a chat completion body (with messages) or a completion "
+                                  "body (with prompt).", param="messages")
+
     @app.get("/v1/models", dependencies=protected)
     async def models() -> P.ModelList:
         return serving.models()
 
+    @app.get("/v1/models/{model_id:path}", dependencies=protected)
+    async def model(model_id: str) -> P.ModelCard:
+        return serving.model_card(model_id)
+
     @app.post("/tokenize", dependencies=protected)
     async def tokenize(request: P.TokenizeRequest) -> P.TokenizeResponse:
-        return serving.tokenize(request)
+        return await serving.tokenize(request)
+
+    @app.get("/tokenizer_info", dependencies=protected)
+    async def tokenizer_info() -> P.TokenizerInfoResponse:
+        return serving.tokenizer_info()
+
+    @app.get("/load")
+    async def load() -> P.LoadResponse:
+        return P.LoadResponse(server_load=serving.num_in_flight)
 
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
@@ -303,7 +329,8 @@ async def fetch_backend_tokenizer(client, fingerprint: str, cache_dir: Path) -> 
 
 async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer: Optional[str] = None,
               api_key: Optional[str] = None, served_model_name: Optional[str] = None,
-              backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+              backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info",
+              tool_call_parser: str = "auto") -> None:
     """Connect to the backend at ``backend`` (HOST:PORT), check the tokenizer, serve HTTP until
     SIGINT/SIGTERM. Raises ``StartupError`` (or another ``TandemError``) when it cannot start."""
     from frontend.grpc_client import GrpcEngineClient
@@ -326,7 +353,7 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
                 "from the backend.")
         if served_model_name:
             model_info.model_name = served_model_name
-        app = create_app(client, load_tokenizer(str(tokenizer_dir)), model_info, api_key)
+        app = create_app(client, load_tokenizer(str(tokenizer_dir)), model_info, api_key, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
         logger.info("Serving %s at http://%s:%d/v1 from the backend at %s.", model_info.model_name, host, port,
@@ -356,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
+                        help="format of tool calls in the model's replies (default: auto, from the chat template)")
     return parser
 
 
@@ -373,7 +402,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(sig, _exit_cleanly)
     try:
         asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
-                        args.backend_timeout, args.shutdown_timeout, args.log_level))
+                        args.backend_timeout, args.shutdown_timeout, args.log_level, args.tool_call_parser))
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

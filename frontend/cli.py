@@ -30,6 +30,7 @@ from typing import Optional
 from backend.config import EngineConfig
 from backend.errors import TandemError
 from backend.request import SamplingParams
+from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 POLL_INTERVAL_S = 0.2
 KILL_GRACE_S = 10.0  # after --shutdown-timeout, before SIGKILL
@@ -121,7 +122,8 @@ def serve(args: argparse.Namespace) -> int:
                     "--shutdown-timeout", str(args.shutdown_timeout)]
     frontend_argv = [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{args.grpc_port}",
                      "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
-                     "--backend-timeout", "0"]  # we watch the backend process ourselves
+                     "--backend-timeout", "0",  # we watch the backend process ourselves
+                     "--tool-call-parser", args.tool_call_parser]
     frontend_env = dict(os.environ)
     if args.api_key:
         frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
@@ -197,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds running requests get to finish on SIGINT/SIGTERM")
+    serve_parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
+                              help="format of tool calls in the model's replies (default: auto, from the "
+                                   "chat template)")
     serve_parser.set_defaults(handler=serve)
 
     commands.add_parser("backend", add_help=False, help="the gRPC backend alone (see `tandem backend --help`)")
