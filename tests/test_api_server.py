@@ -90,8 +90,8 @@ class FakeEngine:
                         finish = FinishReason.LENGTH
                     done[index] = finish is not None
                     logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = [self.position_logprobs(token, params.logprobs)]
+                    if params.wants_logprobs:
+                        logprobs = [self.position_logprobs(token, params.logprobs or 0)]
                     prompt_logprobs = None
                     if step == 0 and params.prompt_logprobs is not None:
                         prompt_logprobs = [None] + [self.position_logprobs(t, params.prompt_logprobs)
