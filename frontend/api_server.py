@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import hmac
 import importlib.metadata
 import logging
@@ -354,7 +355,7 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
         if served_model_name:
             model_info.model_name = served_model_name
         app = create_app(client, load_tokenizer(str(tokenizer_dir)), model_info, api_key, tool_call_parser)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
         logger.info("Serving %s at http://%s:%d/v1 from the backend at %s.", model_info.model_name, host, port,
                     backend)
@@ -364,6 +365,14 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
             raise StartupError(f"Could not serve HTTP on {host}:{port}.")
     finally:
         await client.close()
+
+
+def uvicorn_log_config() -> dict:
+    """uvicorn's logging, with a timestamp on every line (like the rest of Tandem's logs)."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config
 
 
 def build_parser() -> argparse.ArgumentParser:
