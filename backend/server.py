@@ -32,6 +32,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import generate_latest
 
 from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
@@ -170,6 +171,7 @@ class _GenerateCall:
         self.num_tokens = [0] * n
         self.num_cached_tokens = [0] * n
         self.last_token_time: list[Optional[float]] = [None] * n
+        self.first_token_time: list[Optional[float]] = [None] * n
         self.finished = [False] * n
 
     def response(self, output: EngineOutput) -> engine_pb2.GenerateResponse:
@@ -178,6 +180,7 @@ class _GenerateCall:
             last = self.last_token_time[index]
             if last is None:
                 self.metrics.observe_first_token(now - self.arrival_time)
+                self.first_token_time[index] = now
             else:
                 self.metrics.observe_token_interval((now - last) / len(output.new_token_ids))
             self.last_token_time[index] = now
@@ -206,6 +209,8 @@ class _GenerateCall:
         if self.metrics is not None:
             self.metrics.observe_finished(now - self.arrival_time, self.num_prompt_tokens,
                                           self.num_tokens[index], reason.value)
+            if self.first_token_time[index] is not None:
+                self.metrics.observe_decode_time(now - self.first_token_time[index])
 
 
 async def _until_set(outputs: AsyncIterator[EngineOutput], stop: asyncio.Event) -> AsyncIterator[EngineOutput]:
@@ -268,6 +273,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
         call = _GenerateCall(params.n, len(prompt), self.metrics)
+        if self.metrics is not None:
+            self.metrics.observe_params(params.n, params.max_tokens)
         stop = self._stop_events[request_id] = asyncio.Event()
         self._idle.clear()
         try:
@@ -329,6 +336,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.GetLoadResponse(num_requests_running=load.num_requests_running,
                                           num_requests_waiting=load.num_requests_waiting,
                                           kv_cache_usage=load.kv_cache_usage)
+
+    @map_errors
+    async def GetMetrics(self, request: engine_pb2.GetMetricsRequest,
+                         context: grpc.aio.ServicerContext) -> engine_pb2.GetMetricsResponse:
+        text = generate_latest(self.metrics.registry).decode() if self.metrics is not None else ""
+        return engine_pb2.GetMetricsResponse(prometheus_text=text)
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new Generate calls; wait up to ``timeout`` s for running ones. True if all ended."""

@@ -267,7 +267,15 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """The frontend's HTTP metrics, then the engine's (fetched from the backend over gRPC)."""
+        text = generate_latest(metrics.registry)
+        fetch = getattr(engine_client, "metrics_text", None)
+        if fetch is not None:
+            try:
+                text += (await fetch()).encode()
+            except TandemError as error:  # the backend is down: /health says so; keep serving ours
+                logger.warning("Could not fetch the backend's metrics: %s", error)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> P.VersionResponse:

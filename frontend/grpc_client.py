@@ -187,6 +187,11 @@ class GrpcEngineClient:
         load = await self._unary(self._engine.GetLoad, engine_pb2.GetLoadRequest())
         return EngineLoad(load.num_requests_running, load.num_requests_waiting, load.kv_cache_usage)
 
+    async def metrics_text(self) -> str:
+        """The backend's Prometheus metrics (text exposition format)."""
+        response = await self._unary(self._engine.GetMetrics, engine_pb2.GetMetricsRequest())
+        return response.prometheus_text
+
     async def health(self) -> bool:
         """True when the backend answers SERVING within ``HEALTH_TIMEOUT_S``; False otherwise."""
         self._connect()

@@ -205,3 +205,13 @@ class GetLoadResponse(_message.Message):
     num_requests_waiting: int
     kv_cache_usage: float
     def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+
+class GetMetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMetricsResponse(_message.Message):
+    __slots__ = ("prometheus_text",)
+    PROMETHEUS_TEXT_FIELD_NUMBER: _ClassVar[int]
+    prometheus_text: str
+    def __init__(self, prometheus_text: _Optional[str] = ...) -> None: ...
