@@ -49,6 +49,19 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
+# xgrammar's rule for the characters of a string with minLength/maxLength lets control
+# characters through (a raw tab), which strict JSON parsers refuse; JSON strings exclude them.
+_LENGTH_STRING_CHARS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
+
+
+def _json_grammar(schema: str, any_whitespace: bool) -> str:
+    """The EBNF of JSON valid for ``schema`` (xgrammar's, strict mode), control characters kept out of strings."""
+    import xgrammar
+
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True))
+    return ebnf.replace(*_LENGTH_STRING_CHARS)
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer; thread-safe, cached.
 
@@ -79,12 +92,10 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """An ``xgrammar.CompiledGrammar``; InvalidRequestError (param ``structured_outputs``) if it fails."""
         compiler = self._get_compiler()
-        any_whitespace = not spec.disable_any_whitespace
         try:
-            if spec.json is not None:
-                return compiler.compile_json_schema(spec.json, any_whitespace=any_whitespace)
-            if spec.json_object:
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            if spec.json is not None or spec.json_object:
+                return compiler.compile_grammar(_json_grammar(spec.json or '{"type": "object"}',
+                                                              any_whitespace=not spec.disable_any_whitespace))
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:

@@ -1,16 +1,20 @@
-"""Acceptance: clients from PyPI against one live `tandem serve` of the default model (SmolLM2-135M, fp32).
+"""Acceptance: clients from PyPI against one live `tandem serve` (a tiny random Llama, fp32).
 
 openai (structured outputs, tool calls), LangChain's ChatOpenAI, LlamaIndex's OpenAILike and
-lm-eval's local-completions with the remote tokenizer. Every generation is bounded (max_tokens).
+lm-eval's local-completions with the remote tokenizer. The model's weights are random, so every
+well-formed structured reply is the constraint's doing; schemas are bounded (string lengths,
+number ranges, item counts) so greedy replies end. Every generation is bounded (max_tokens).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import jsonschema
 import openai
@@ -19,9 +23,8 @@ import pytest
 from test_cli_serve import REPO_ROOT, stop, wait_until_serving
 from helpers import free_port
 
-pytestmark = pytest.mark.slow
-
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks", "512"]
+MAX_MODEL_LEN = 4096  # the tools' system prompt is long in the tiny vocabulary
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "1024"]
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]},
     {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["age"]},
@@ -30,15 +33,17 @@ SCHEMAS = [
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
                                                "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}}, "required": ["point"]},
+        "x": {"type": "integer", "minimum": -99, "maximum": 99}, "y": {"type": "integer", "minimum": -99,
+                                                                     "maximum": 99}},
+        "required": ["x", "y"]}}, "required": ["point"]},
     {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                      "population": {"type": "integer", "minimum": 0}},
+                                      "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
      "required": ["city", "population"]},
-    {"type": "object", "properties": {"scores": {"type": "array", "items": {"type": "number"}, "maxItems": 4}},
+    {"type": "object", "properties": {"scores": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 4}},
      "required": ["scores"]},
     {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer"}, "role": {"enum": ["admin", "guest"]}}, "required": ["id", "role"]}},
-     "required": ["user"]},
+        "id": {"type": "integer", "minimum": 1, "maximum": 1000}, "role": {"enum": ["admin", "guest"]}},
+        "required": ["id", "role"]}}, "required": ["user"]},
     {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
                                       "done": {"type": "boolean"},
                                       "priority": {"type": "integer", "minimum": 1, "maximum": 5}},
@@ -46,23 +51,34 @@ SCHEMAS = [
 ]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                    "required": ["city"]}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
+def model_dir(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny Llama, with room for a 4k context (rotary positions: nothing learned per position)."""
+    target = tmp_path_factory.mktemp("tiny-llama-4k")
+    shutil.copytree(tiny_checkpoint("llama"), target, dirs_exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = MAX_MODEL_LEN
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
     work_dir = tmp_path_factory.mktemp("clients")
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     log = work_dir / "serve.log"
-    command = [sys.executable, "-m", "frontend.cli", "serve", str(default_model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "frontend.cli", "serve", str(model_dir), "--port", str(port),
                "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *ENGINE_FLAGS]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until_serving(process, log)
-        yield f"http://127.0.0.1:{port}", str(default_model_dir), log
+        yield f"http://127.0.0.1:{port}", str(model_dir), log
     finally:
         stop(process)
 
@@ -77,9 +93,14 @@ def model(server) -> str:
     return server[1]
 
 
+# Sampled, seeded: greedy decoding of random weights can loop on a token (a JSON whitespace);
+# a seeded draw among the allowed tokens ends and is still reproducible.
+SAMPLED = {"temperature": 1.0, "seed": 7}
+
+
 def ask(client, model, content: str, **kwargs):
     return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                          temperature=0, max_tokens=kwargs.pop("max_tokens", 80), **kwargs)
+                                          max_tokens=kwargs.pop("max_tokens", 300), **SAMPLED, **kwargs)
 
 
 # ---- openai -------------------------------------------------------------------------------------
@@ -114,20 +135,20 @@ def test_invalid_schema_or_regex_is_a_400(client, model, extra):
 def test_forced_tool_call_streamed_and_followed_up(client, model):
     forced = {"type": "function", "function": {"name": "get_weather"}}
     response = client.chat.completions.create(model=model, messages=ASK_WEATHER, tools=[WEATHER],
-                                              tool_choice=forced, temperature=0, max_tokens=60)
+                                              tool_choice=forced, max_tokens=300, **SAMPLED)
     (call,) = response.choices[0].message.tool_calls
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, WEATHER["function"]["parameters"])
     assert call.function.name == "get_weather"
 
     required = client.chat.completions.create(model=model, messages=ASK_WEATHER, tools=[WEATHER],
-                                              tool_choice="required", temperature=0, max_tokens=60)
+                                              tool_choice="required", max_tokens=300, **SAMPLED)
     assert required.choices[0].finish_reason == "tool_calls"
     assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
 
     name, pieces = None, ""
     for chunk in client.chat.completions.create(model=model, messages=ASK_WEATHER, tools=[WEATHER],
-                                                tool_choice=forced, temperature=0, max_tokens=60, stream=True):
+                                                tool_choice=forced, max_tokens=300, stream=True, **SAMPLED):
         for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
             name = delta_call.function.name or name
             pieces += delta_call.function.arguments or ""
@@ -137,8 +158,8 @@ def test_forced_tool_call_streamed_and_followed_up(client, model):
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
-    answer = client.chat.completions.create(model=model, messages=follow_up, tools=[WEATHER], temperature=0,
-                                            max_tokens=30)
+    answer = client.chat.completions.create(model=model, messages=follow_up, tools=[WEATHER], max_tokens=30,
+                                            **SAMPLED)
     assert answer.choices[0].message.content is not None or answer.choices[0].message.tool_calls
 
 
@@ -150,8 +171,8 @@ def test_langchain_chat_openai(server, model):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
 
-    llm = ChatOpenAI(base_url=server[0] + "/v1", api_key="unused", model=model, temperature=0, max_tokens=40,
-                     max_retries=0, stream_usage=True)
+    llm = ChatOpenAI(base_url=server[0] + "/v1", api_key="unused", model=model, temperature=1.0, seed=7,
+                     max_tokens=300, max_retries=0, stream_usage=True)
     assert isinstance(llm.invoke("Say hello.").content, str)
     chunks = list(llm.stream("Count to three."))
     assert "".join(c.content for c in chunks)
@@ -159,13 +180,13 @@ def test_langchain_chat_openai(server, model):
     assert usage and usage[-1]["output_tokens"] > 0
 
     @tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: Literal["Paris", "London", "Rome"]) -> str:
         """The current weather in a city."""
         return "sunny"
 
     message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
-    assert isinstance(message.tool_calls[0]["args"].get("city"), str)
+    assert message.tool_calls[0]["args"]["city"] in ("Paris", "London", "Rome")
 
     class Person(BaseModel):
         name: str = Field(max_length=20)

@@ -189,3 +189,19 @@ def test_structured_outputs_params_accept_vllm_dict_and_schema_dict():
     assert isinstance(params.structured_outputs, StructuredOutputsParams)
     assert json.loads(params.structured_outputs.json) == {"type": "object"}
     assert params.structured_outputs.kind == "json"
+
+
+def test_bounded_strings_never_hold_control_characters(engine):
+    """Strict JSON forbids a raw tab in a string; xgrammar's minLength/maxLength rule alone allows it."""
+    import xgrammar
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(engine.config.tokenizer_path))
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}, "required": ["s"]}
+    compiled = engine.structured_output.compile(StructuredOutputsParams(json=schema))
+
+    def accepts(text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('{"s": "ab c"}') and not accepts('{"s": "a\tb"}') and not accepts('{"s": "abcde"}')
