@@ -223,7 +223,10 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     @app.post("/invocations", dependencies=protected, response_model=None)
     async def invocations(raw_request: Request) -> Response:
         """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
-        body = await raw_request.json()
+        try:
+            body = await raw_request.json()
+        except ValueError:
+            raise InvalidRequestError("The body must be a JSON object.", param="body") from None
         if isinstance(body, dict) and "messages" in body:
             return await serving.create_chat_completion(P.ChatCompletionRequest.model_validate(body), raw_request)
         if isinstance(body, dict) and "prompt" in body:

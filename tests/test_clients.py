@@ -252,7 +252,7 @@ def test_lm_eval_remote_tokenizer_matches_hf(server, model, tmp_path):
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     assert "acc,none" in results["tandem_ll"] and "exact_match,none" in results["tandem_gen"]
     samples = [json.loads(line) for line in next(out.rglob("samples_tandem_ll_*.jsonl")).read_text().splitlines()]
-    served = samples[0]["resps"][0][0][0]
+    served = float(samples[0]["filtered_resps"][0][0])  # [logprob, is_greedy], logged as strings
     assert abs(served - hf_loglikelihood(model, "The capital of France is", " Paris")) < 1e-2
 
 
@@ -261,7 +261,7 @@ def hf_loglikelihood(model_dir: str, context: str, continuation: str) -> float:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     whole = tokenizer.encode(context + continuation)
     num_context = len(tokenizer.encode(context))
     with torch.no_grad():
