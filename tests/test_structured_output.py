@@ -205,3 +205,41 @@ def test_bounded_strings_never_hold_control_characters(engine):
         return all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
 
     assert accepts('{"s": "ab c"}') and not accepts('{"s": "a\tb"}') and not accepts('{"s": "abcde"}')
+
+
+def test_speculative_decoding_leaves_constrained_and_beam_sequences_undrafted(tiny_checkpoint):
+    """With n-gram drafts on, constrained and beam-search sequences get none (their mask and
+    candidates cover one position per step) while free sequences do, and every constraint holds."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
+                                    num_kv_blocks=256, max_model_len=256,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                        "prompt_lookup_max": 3}))
+    drafted: dict[str, int] = {}
+    execute = engine.executor.execute_model
+
+    def recording_execute(sched):
+        for s in sched.scheduled:
+            drafted[s.request_id] = drafted.get(s.request_id, 0) + s.num_draft_tokens
+        return execute(sched)
+
+    engine.executor.execute_model = recording_execute
+    specs = {"json": {"json": BOUNDED_SCHEMA, "disable_any_whitespace": True},
+             "regex": {"regex": r"([0-9]{2}-)+[a-z]{2}"}, "choice": {"choice": ["Paris", "Lyon"]}}
+    requests = {rid: SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec)
+                for rid, spec in specs.items()}
+    requests["free"] = SamplingParams(temperature=0.0, max_tokens=24)
+    requests["beam"] = SamplingParams(use_beam_search=True, n=2, max_tokens=6)
+    try:
+        results = run(engine, requests, prompt=[5, 6, 7, 8, 9] * 4)  # repetitive: lookups find matches
+        outputs = {rid: text(engine, seqs[0][0]) for rid, seqs in results.items()}
+    finally:
+        engine.shutdown()
+    document = json.loads(outputs["json"])
+    assert set(document) == {"ok", "size", "n"} and 0 <= document["n"] <= 9
+    assert re.fullmatch(r"([0-9]{2}-)+[a-z]{2}", outputs["regex"])
+    assert outputs["choice"] in ("Paris", "Lyon")
+    assert all(results[rid][0][1] == FinishReason.STOP for rid in specs)
+    assert drafted["free"] > 0  # speculation was on
+    assert all(drafted[rid] == 0 for rid in specs)
+    assert all(count == 0 for rid, count in drafted.items() if rid.startswith("beam#"))
+    assert len(results["beam"]) == 2

@@ -1,19 +1,23 @@
 """GPT-2 written for paged attention; names mirror the checkpoint's.
 
 GPT-2 checkpoints store their linears as Conv1D ([in, out]); they are
-transposed into nn.Linear ([out, in]) at load time.
+transposed into nn.Linear's [out, in] at load time. ``c_attn`` holds q | k | v fused, which
+QKVParallelLinear splits per rank; stages pass ``hidden_states`` on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.distributed import get_parallel_state, stage_layers
 from backend.models.attention import Attention, AttentionMetadata
-from backend.models.layers import load_weights
+from backend.models.layers import PPMissingLayer, load_weights
+from backend.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from backend.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -25,26 +29,25 @@ class GPT2Attention(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.n_embd
-        self.num_heads = config.n_head
-        self.head_dim = hidden // self.num_heads
+        num_heads = config.n_head
+        head_dim = hidden // num_heads
         if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
             raise ValueError("GPT-2 variants with per-layer attention scaling are not supported.")
-        scale = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
-        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale)
+        scale = head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        self.c_attn = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, bias=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True, input_shard=self.c_attn.q_shard)
+        self.attn = Attention(self.c_attn.num_heads, self.c_attn.num_kv_heads, head_dim, scale)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
-        return self.c_proj(self.attn(q, k, v, meta))
+        return self.c_proj(self.attn(self.c_attn(x), meta))  # qkv: this rank's q | k | v
 
 
 class GPT2MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = nn.Linear(config.n_embd, inner)
-        self.c_proj = nn.Linear(inner, config.n_embd)
+        self.c_fc = ColumnParallelLinear(config.n_embd, inner, bias=True)
+        self.c_proj = RowParallelLinear(inner, config.n_embd, bias=True)
         if config.activation_function not in _ACTIVATIONS:
             raise ValueError(f"Unsupported GPT-2 activation {config.activation_function!r}.")
         self.act = _ACTIVATIONS[config.activation_function]
@@ -69,35 +72,57 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.parallel = state = get_parallel_state()
+        first, last = state.is_first_stage, state.is_last_stage
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd) if first else PPMissingLayer()
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd) if first else PPMissingLayer()
+        start, end = stage_layers(config.n_layer, state.pp_rank, state.pp_size)
+        self.h = nn.ModuleList(GPT2Block(config) if start <= i < end else PPMissingLayer()
+                               for i in range(config.n_layer))
+        self.local_blocks = tuple(self.h[start:end])
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon) if last else PPMissingLayer()
 
-    def forward(self, input_ids, positions, meta):
-        x = self.wte(input_ids) + self.wpe(positions)  # [num_tokens, n_embd]
-        for block in self.h:
+    def forward(self, input_ids, positions, meta, intermediate=None):
+        if self.parallel.is_first_stage:
+            x = self.wte(input_ids) + self.wpe(positions)  # [num_tokens, n_embd]
+        else:
+            x = intermediate["hidden_states"]
+        for block in self.local_blocks:
             x = block(x, meta)
+        if not self.parallel.is_last_stage:
+            return {"hidden_states": x}
         return self.ln_f(x)
 
 
 class GPT2LMHeadModel(nn.Module):
     """The LM head is tied to ``wte``."""
 
+    pp_tensor_names = ("hidden_states",)
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
+        self.pp_hidden_size = config.n_embd
         self.transformer = GPT2Model(config)
+        self.lm_head = PPMissingLayer()
+        if self.transformer.parallel.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd)
+            if self.transformer.parallel.is_first_stage:
+                self.lm_head.tie_to(self.transformer.wte)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, n_embd]."""
-        return self.transformer(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: Optional[dict[str, torch.Tensor]] = None):
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, n_embd] (the last
+        stage) or ``{"hidden_states": ...}`` for the next stage."""
+        return self.transformer(input_ids, positions, meta, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.transformer.wte.weight)
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        head_loads_embedding = (isinstance(self.transformer.wte, PPMissingLayer)
+                                and not isinstance(self.lm_head, PPMissingLayer))
+
         def transposed():
             for name, tensor in weights:
                 yield name, tensor.t() if name.endswith(_CONV1D) else tensor
@@ -105,6 +130,7 @@ class GPT2LMHeadModel(nn.Module):
         def rename(name: str):
             if name.startswith("lm_head.") or name.endswith((".attn.bias", ".attn.masked_bias")):
                 return None
-            return name if name.startswith("transformer.") else "transformer." + name
+            name = name if name.startswith("transformer.") else "transformer." + name
+            return "lm_head.weight" if name == "transformer.wte.weight" and head_loads_embedding else name
 
         load_weights(self, transposed(), rename=rename)

@@ -1,14 +1,18 @@
-"""Building blocks shared by the models: norms, rotary, fused linears, weight loading."""
+"""Building blocks shared by the models: norms, rotary, activations, weight loading.
+
+Linear layers (plain, fused and tensor-parallel) are in linear.py, the vocabulary-parallel
+embedding and LM head in vocab_parallel.py.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from backend.models.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +46,8 @@ class RotaryEmbedding(nn.Module):
     linear, llama3, yarn, ...), so they equal the oracle's bit for bit.
     """
 
+    is_neox = True  # the Llama family rotates halves
+
     def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -56,7 +62,9 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+            from backend.models.loader import transformers_config
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](transformers_config(config))
         # [max_positions, rotary_dim]: cos | sin, fp32 whatever the model dtype
         self.register_buffer("cos_sin_cache", kernels.rotary_cos_sin(inv_freq, max_positions, scaling),
                              persistent=False)
@@ -69,30 +77,24 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
+        """Rotated (q, k); ``Attention`` applies the table itself, fused with the rest."""
+        return kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, self.is_neox)
 
 
-class MergedLinear(nn.Linear):
-    """Several linears with one input, fused into one matmul (QKV, gate/up).
+class PPMissingLayer(nn.Module):
+    """Stands in for a module that lives on another pipeline stage: no weights, never called.
 
-    Checkpoints store them apart; ``load_shard`` copies each into its rows.
+    It keeps the module tree (and so the checkpoint names) the same on every stage;
+    ``load_weights`` skips the checkpoint tensors that belong under it.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = output_sizes
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-
-    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        param = getattr(self, param_name)
-        start = self.offsets[shard]
-        param.data[start:start + self.output_sizes[shard]].copy_(tensor)
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("This module lives on another pipeline stage.")
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return kernels.silu_and_mul(x)
 
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
@@ -102,44 +104,47 @@ StackedParams = dict[str, tuple[str, int]]
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  stacked: StackedParams = None,
                  rename: Callable[[str], Optional[str]] = lambda name: name) -> None:
-    """Copy checkpoint tensors into ``model``'s parameters.
+    """Copy checkpoint tensors into ``model``'s parameters (this rank's shard of each).
 
-    ``rename`` maps a checkpoint name to a parameter name (None: skip it);
-    ``stacked`` routes e.g. ``q_proj`` into shard 0 of ``qkv_proj``. Every
-    parameter must be loaded exactly once, or a ValueError names the missing ones.
+    ``rename`` maps a checkpoint name to a parameter name (None: skip it); ``stacked`` routes
+    e.g. ``q_proj`` into shard 0 of ``qkv_proj``. A module's ``weight_loader(param, tensor,
+    shard_id)`` picks its rank's slice; modules without one take the tensor whole. Tensors under
+    a ``PPMissingLayer`` (another stage's) are skipped unread. Every parameter (every shard of a
+    fused one, see ``shard_ids``) must be loaded, or a ValueError names the missing ones.
     """
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    elsewhere = tuple(name + "." for name, module in model.named_modules()
+                      if isinstance(module, PPMissingLayer))
+    loaded: set[tuple[str, Optional[int]]] = set()
     stacked = stacked or {}
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name)
-        if name is None:
+        if name is None or name.startswith(elsewhere):
             continue
-        for fragment, (fused, shard) in stacked.items():
+        shard = None
+        for fragment, (fused, shard_id) in stacked.items():
             if f".{fragment}." in name:
-                fused_name = name.replace(f".{fragment}.", f".{fused}.")
-                module_name, param_name = fused_name.rsplit(".", 1)
-                model.get_submodule(module_name).load_shard(param_name, shard, tensor)
-                loaded.add(f"{fused_name}#{shard}")
+                name, shard = name.replace(f".{fragment}.", f".{fused}."), shard_id
                 break
-        else:
-            if name not in params:
-                raise ValueError(f"Checkpoint tensor {ckpt_name!r} matches no parameter of "
-                                 f"{type(model).__name__}.")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"Checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(param.shape)}.")
-            param.data.copy_(tensor)
-            loaded.add(name)
+        if name not in params:
+            raise ValueError(f"Checkpoint tensor {ckpt_name!r} matches no parameter of "
+                             f"{type(model).__name__}.")
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        loader = getattr(module, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(params[name], tensor, shard)
+            else:
+                default_weight_loader(params[name], tensor)
+        except ValueError as error:
+            raise ValueError(f"Checkpoint tensor {ckpt_name!r}: {error}.") from None
+        loaded.add((name, shard))
     missing = []
-    for name, param in params.items():
-        module_name, param_name = name.rsplit(".", 1)
-        module = model.get_submodule(module_name)
-        if isinstance(module, MergedLinear):
-            missing += [f"{name}#{i}" for i in range(len(module.output_sizes))
-                        if f"{name}#{i}" not in loaded]
-        elif name not in loaded:
+    for name in params:
+        shard_ids = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "shard_ids", None)
+        if shard_ids and (name, None) not in loaded:
+            missing += [f"{name}#{i}" for i in shard_ids if (name, i) not in loaded]
+        elif not shard_ids and (name, None) not in loaded:
             missing.append(name)
     if missing:
         raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}"

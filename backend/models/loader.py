@@ -90,6 +90,41 @@ def load_hf_config(model_path: Path) -> PretrainedConfig:
             f"Could not read the model config in {model_path}: {error}") from error
 
 
+class PlainModelConfig:
+    """A transformers config reduced to its values (aliases included), for worker processes.
+
+    Unpickling a transformers config imports transformers, which costs each worker process
+    seconds; this pickles as plain Python values. Anything it lacks (a method, a computed
+    property) is looked up on the real config, loaded from the checkpoint on first use.
+    """
+
+    def __init__(self, hf_config: PretrainedConfig, model_path: Path) -> None:
+        values = dict(vars(hf_config))
+        for alias, target in getattr(type(hf_config), "attribute_map", {}).items():
+            values[alias] = getattr(hf_config, target, None)
+        self.__dict__.update(values)
+        self._model_path = model_path
+        self._real: Optional[PretrainedConfig] = None
+
+    def real(self) -> PretrainedConfig:
+        if self._real is None:
+            self._real = load_hf_config(self._model_path)
+        return self._real
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_real", "_model_path"):  # e.g. while unpickling
+            raise AttributeError(name)
+        return getattr(self.real(), name)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_real": None}
+
+
+def transformers_config(config) -> PretrainedConfig:
+    """The transformers object behind ``config`` (itself unless it is a PlainModelConfig)."""
+    return config.real() if isinstance(config, PlainModelConfig) else config
+
+
 def weight_files(model_path: Path) -> list[Path]:
     """The checkpoint's weight files in load order: *.safetensors, else pytorch_model*.bin.
 
@@ -109,18 +144,18 @@ def weight_files(model_path: Path) -> list[Path]:
 
 
 def iter_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint by its checkpoint name, one file in memory at a time."""
+    """Every tensor of the checkpoint by its checkpoint name, as a view of the memory-mapped file.
+
+    Nothing is read until a tensor's elements are: a tensor-parallel rank that copies its slice
+    reads only that slice's pages, and a pipeline stage never reads the other stages' layers.
+    """
     files = weight_files(model_path)
     if not files:
         raise ModelNotFoundError(
             f"{model_path} holds no weights: expected *.safetensors or pytorch_model*.bin files.")
     if files[0].suffix == ".safetensors":
-        from safetensors import safe_open
-
         for file in files:
-            with safe_open(str(file), framework="pt") as reader:
-                for name in reader.keys():
-                    yield name, reader.get_tensor(name)
+            yield from mapped_safetensors(file)
     else:
         import torch
 
@@ -129,6 +164,42 @@ def iter_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             yield from state.items()
             del state
+
+
+def mapped_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a .safetensors file as views of one copy-on-write memory map of it.
+
+    The format: an 8-byte little-endian header length, a JSON header mapping each name to its
+    dtype, shape and [begin, end) byte offsets in the data that follows.
+    """
+    import mmap
+    import struct
+
+    import torch
+
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in dtypes:
+            raise ModelNotFoundError(f"{file}: tensor {name!r} has dtype {info['dtype']}, "
+                                     "which Tandem does not load.")
+        dtype, (begin, end) = dtypes[info["dtype"]], info["data_offsets"]
+        offset, count = 8 + header_len + begin, (end - begin) // dtype.itemsize
+        if count == 0:
+            tensor = torch.empty(info["shape"], dtype=dtype)
+        elif offset % dtype.itemsize:  # unaligned (after an odd-sized tensor): copy it out
+            tensor = torch.frombuffer(bytearray(data[offset:offset + end - begin]), dtype=dtype)
+        else:  # the tensor keeps the map alive
+            tensor = torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        yield name, tensor.view(info["shape"])
 
 
 # --- GGUF --------------------------------------------------------------------------------------

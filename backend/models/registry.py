@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
@@ -36,3 +36,31 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
             return getattr(importlib.import_module(f"backend.models.{module}"), cls)
     raise ValueError(f"Model architecture(s) {names or '(none given)'} are not supported; "
                      f"supported: {', '.join(supported_architectures())}.")
+
+
+def parallel_size_problem(hf_config: Any, tp_size: int, pp_size: int) -> Optional[tuple[str, str]]:
+    """(setting, message) when the model cannot be split tp_size x pp_size ways, else None.
+
+    Attention heads follow ``linear.partition_heads``; MLP features and layers must divide.
+    """
+    from backend.distributed import ParallelState
+    from backend.models.linear import partition_heads
+
+    cfg = hf_config
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    inner = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", None)
+             or getattr(cfg, "n_inner", None) or 4 * cfg.n_embd)
+    try:
+        for rank in range(tp_size):
+            partition_heads(heads, kv_heads, ParallelState(rank=rank, tp_size=tp_size))
+    except ValueError as error:
+        return "tensor_parallel_size", f"The model cannot be split over {tp_size} ranks: {error}"
+    if inner % tp_size:
+        return "tensor_parallel_size", (f"The model's MLP size ({inner}) is not divisible by "
+                                        f"tensor_parallel_size ({tp_size}).")
+    if pp_size > layers:
+        return "pipeline_parallel_size", (f"pipeline_parallel_size ({pp_size}) is larger than the "
+                                          f"model's {layers} layers.")
+    return None
