@@ -7,11 +7,15 @@ data contract between the two halves, in process or over gRPC.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from backend.errors import InvalidRequestError
+
+
+_REAL_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -57,6 +61,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"n must be at least 1, got {self.n}.")
+        for name in _REAL_PARAMS:  # JSON and protobuf both carry NaN and infinities
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"{name} must be a finite number, got {getattr(self, name)}.")
         if self.temperature < 0.0:
             bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -158,6 +165,8 @@ class Request:
         parent_id: Optional[str] = None,
         index: int = 0,
         arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -166,13 +175,15 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.cache_salt = cache_salt  # keys its prefix-cache blocks apart from other salts
+        self.deadline = deadline if deadline is not None else math.inf  # time.monotonic() seconds
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []  # chained hashes of full blocks, see BlockManager
+        self.block_hashes: list[bytes] = []  # chained digests of full blocks, see BlockManager
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
