@@ -36,6 +36,29 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type, names: list[str],
+                           help_texts: Optional[dict[str, str]] = None) -> None:
+    """One ``--flag-name`` per named field of dataclass ``cls``, typed from its annotation.
+
+    ``Optional[X]`` parses X (None is simply the default); bools get ``--x/--no-x``.
+    """
+    defaults = cls()
+    hints = typing.get_type_hints(cls)
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        kind = next((t for t in typing.get_args(hints[name]) if t is not type(None)), hints[name])
+        help_text = (help_texts or {}).get(name)
+        if help_text is not None:
+            help_text += f" (default: {default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif kind is dict:
+            parser.add_argument(flag, type=json.loads, default=default, metavar="JSON", help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
 @dataclass
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` for n-gram prompt lookup (the one method implemented).
@@ -254,21 +277,7 @@ class EngineConfig:
         if with_model:
             parser.add_argument("model", nargs="?", default=None,
                                 help="HF directory, .gguf file or hub name (default: SmolLM2-135M-Instruct)")
-        defaults = cls()
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if not f.repr or f.name == "model":
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = getattr(defaults, f.name)
-            # Optional[X] -> X: the flag parses the value type, None is simply the default.
-            kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
-            if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif kind is dict:
-                parser.add_argument(flag, type=json.loads, default=default, metavar="JSON")
-            else:
-                parser.add_argument(flag, type=kind, default=default)
+        add_dataclass_cli_args(parser, cls, [name for name in cls.field_names() if name != "model"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -2,8 +2,12 @@
 
 A request's life here:
 
-1. Check the model name, tokenize (chat template for chat), check the context
-   length with vLLM's wording, build ``SamplingParams`` (which checks ranges).
+1. Check the model name and the request's bounds (``backend.limits``: prompt
+   count, n, stop strings, logprobs; a prompt too long for the context is
+   refused before it is tokenized), tokenize (chat template for chat; big
+   inputs off the event loop, so one huge prompt never stalls the others),
+   check the context length with vLLM's wording, build ``SamplingParams``
+   (which checks ranges).
 2. One engine request per prompt (``<id>-<i>`` for the i-th prompt of a
    completions list); its deltas become text in ``frontend.outputs``
    (detokenization, stop strings), the one place that happens.
@@ -21,10 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
@@ -34,11 +41,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerFast
 
-from backend.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TandemError
+from backend.errors import (EngineDeadError, InvalidRequestError, ModelNotFoundError, OverloadedError,
+                            RequestTimeoutError, TandemError)
+from backend.limits import Limits
 from backend.request import ModelInfo, PositionLogprobs, SamplingParams
 from frontend import protocol as P
 from frontend.engine_client import EngineClient
-from frontend.grpc_client import BackendOverloadedError
 from frontend.outputs import RequestOutputBuilder, TextDelta
 from frontend.tokenizer import decode_token, encode_prompt, render_chat
 
@@ -50,6 +58,9 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 _SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
+# Inputs longer than this (characters, or token IDs) are tokenized, rendered or decoded on a
+# worker thread: the tokenizers library releases the GIL, so the event loop keeps serving.
+_OFF_LOOP_MIN_SIZE = 4096
 
 
 # ---- errors -> HTTP status and OpenAI error JSON (the one place) ------------------------------
@@ -63,15 +74,21 @@ class ClientDisconnectedError(TandemError):
     """The HTTP client went away before the answer was ready; nobody reads the response."""
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than --max-request-body-bytes (HTTP 413)."""
+
+
 HTTP_STATUS_CLIENT_CLOSED_REQUEST = 499  # nginx's: the client went away before the answer
 
 
 _STATUS_OF_ERROR: tuple[tuple[type[Exception], HTTPStatus], ...] = (
+    (RequestTooLargeError, HTTPStatus.REQUEST_ENTITY_TOO_LARGE),  # before its base class
     (InvalidRequestError, HTTPStatus.BAD_REQUEST),
     (AuthenticationError, HTTPStatus.UNAUTHORIZED),
     (ModelNotFoundError, HTTPStatus.NOT_FOUND),
-    (BackendOverloadedError, HTTPStatus.TOO_MANY_REQUESTS),
+    (OverloadedError, HTTPStatus.TOO_MANY_REQUESTS),  # BackendOverloadedError included; sent with Retry-After
     (EngineDeadError, HTTPStatus.SERVICE_UNAVAILABLE),  # BackendUnavailableError included
+    (RequestTimeoutError, HTTPStatus.GATEWAY_TIMEOUT),
 )
 
 # vLLM's error ``type`` names (OpenAI's client maps by status code, not by these).
@@ -79,6 +96,7 @@ _ERROR_TYPE_OF_STATUS = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
@@ -101,8 +119,10 @@ def error_of_exception(error: Exception) -> tuple[int, P.ErrorResponse]:
         HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {type(error).__name__}: {error}")
 
 
-def error_json_response(status: int, body: P.ErrorResponse) -> JSONResponse:
-    return JSONResponse(body.model_dump(mode="json"), status_code=status)
+def error_json_response(status: int, body: P.ErrorResponse, retry_after_s: Optional[int] = None) -> JSONResponse:
+    """The error as a response; a 429 carries ``Retry-After: retry_after_s``."""
+    headers = {"Retry-After": str(retry_after_s)} if status == HTTPStatus.TOO_MANY_REQUESTS and retry_after_s else None
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
 
 # ---- one engine request ----------------------------------------------------------------------
@@ -118,16 +138,20 @@ class _EngineRun:
     """One engine request (one prompt, ``n`` sequences) and the builder of its text."""
 
     def __init__(self, request_id: str, prompt: _Prompt, params: SamplingParams,
-                 tokenizer: PreTrainedTokenizerFast, first_choice: int) -> None:
+                 tokenizer: PreTrainedTokenizerFast, first_choice: int, deadline: float,
+                 cache_salt: Optional[str]) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        self.deadline = deadline  # time.monotonic() seconds: the engine aborts the request then
+        self.cache_salt = cache_salt
         self.first_choice = first_choice  # choice index of sequence 0 (vLLM: prompt_index * n)
         self.builder = RequestOutputBuilder(tokenizer, request_id, prompt.text, prompt.token_ids, params)
 
     async def deltas(self, client: EngineClient) -> AsyncIterator["_Event"]:
         """(this run, sequence index, what that sequence added), until every sequence ended."""
-        stream = client.generate(self.request_id, self.prompt.token_ids, self.params)
+        stream = client.generate(self.request_id, self.prompt.token_ids, self.params, deadline=self.deadline,
+                                 cache_salt=self.cache_salt)
         try:
             async for output in stream:
                 delta = self.builder.add(output)
@@ -263,10 +287,52 @@ class OpenAIServing:
     """The OpenAI endpoints' logic over one ``EngineClient`` and the backend's tokenizer."""
 
     def __init__(self, engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast,
-                 model_info: ModelInfo) -> None:
+                 model_info: ModelInfo, limits: Optional[Limits] = None) -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.limits = limits or Limits()
+        # No token covers more characters than the longest vocabulary entry (for byte-level and
+        # SentencePiece BPE), so a longer text surely has more tokens than the context holds.
+        # Twice that, for normalizers that merge characters.
+        max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * model_info.max_model_len * max(max_token_chars, 1)
+        self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="tandem-tokenize")
+
+    async def _off_loop(self, size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``: inline for small inputs, on a worker thread for big ones."""
+        if size < _OFF_LOOP_MIN_SIZE:
+            return fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(fn, *args, **kwargs))
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.limits.request_timeout_s
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long for any prompt to fit the context."""
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"The prompt ({num_chars} characters) is longer than any prompt this model takes: its maximum "
+                f"context length is {self.model_info.max_model_len} tokens, which no text of more than "
+                f"{self.max_prompt_chars} characters fits in. Please reduce the length of the input.", param=param)
+
+    async def _render_and_encode_chat(self, messages: list, add_generation_prompt: bool,
+                                      chat_template: Optional[str], continue_final_message: bool,
+                                      template_kwargs: dict, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """The chat's prompt text and its token IDs (no special tokens added by default: the
+        template has them). Its length is checked before rendering and before tokenizing."""
+        size = _chat_text_size(messages)
+        self._check_prompt_chars(size, param="messages")
+        text = await self._off_loop(size, render_chat, self.tokenizer, messages, add_generation_prompt,
+                                    chat_template, continue_final_message, **template_kwargs)
+        return text, await self._encode(text, add_special_tokens=add_special_tokens, param="messages")
+
+    async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self._check_prompt_chars(len(text), param=param)
+        return await self._off_loop(len(text), encode_prompt, self.tokenizer, text, add_special_tokens)
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def model_name(self) -> str:
@@ -280,17 +346,20 @@ class OpenAIServing:
 
     async def create_completion(self, request: P.CompletionRequest, raw_request: Request) -> Response:
         self._check_model(request.model)
-        prompts = self._completion_prompts(request.prompt)
+        _check_stream_options(request)
+        prompts = await self._completion_prompts(request.prompt, request.n)
         # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
         explicit = "max_tokens" in request.model_fields_set
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         base_id = f"cmpl-{uuid.uuid4().hex}"
+        deadline = self._deadline()
         runs = []
         for i, prompt in enumerate(prompts):
             max_tokens = self._max_tokens(request.max_tokens if explicit else None, len(prompt.token_ids),
                                           default=None if explicit else request.max_tokens, prompt_param="prompt")
             params = self._sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
-            runs.append(_EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n))
+            runs.append(_EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n,
+                                   deadline=deadline, cache_salt=request.cache_salt))
         if request.stream:
             return await self._stream(raw_request, runs, lambda first, events: self._completion_chunks(
                 request, base_id, runs, first, events))
@@ -299,47 +368,48 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         self._check_model(request.model)
+        _check_stream_options(request)
         if request.top_logprobs is not None and request.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}.",
                                       param="top_logprobs")
         if request.top_logprobs and not request.logprobs:
             raise InvalidRequestError("When using `top_logprobs`, `logprobs` must be set to true.",
                                       param="top_logprobs")
-        text = render_chat(self.tokenizer, request.messages, request.add_generation_prompt, request.chat_template,
-                           request.continue_final_message, **(request.chat_template_kwargs or {}))
-        prompt = _Prompt(text, encode_prompt(self.tokenizer, text, add_special_tokens=False))
+        text, token_ids = await self._render_and_encode_chat(
+            request.messages, request.add_generation_prompt, request.chat_template, request.continue_final_message,
+            request.chat_template_kwargs or {})
+        prompt = _Prompt(text, token_ids)
         # vLLM: max_completion_tokens wins; neither given means all the room left.
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt.token_ids), default=None, prompt_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._sampling_params(request, max_tokens, logprobs, None)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        runs = [_EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0)]
+        runs = [_EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0, deadline=self._deadline(),
+                           cache_salt=request.cache_salt)]
         if request.stream:
             return await self._stream(raw_request, runs, lambda first, events: self._chat_chunks(
                 request, base_id, runs, first, events))
         await _unless_disconnected(raw_request, self._collect(runs))
         return self._json(self._chat_response(request, base_id, runs))
 
-    def tokenize(self, request: P.TokenizeRequest) -> P.TokenizeResponse:
+    async def tokenize(self, request: P.TokenizeRequest) -> P.TokenizeResponse:
         self._check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
         if request.messages is not None:
-            text = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
-                               continue_final_message=request.continue_final_message,
-                               **(request.chat_template_kwargs or {}))
-            add_special_tokens = bool(request.add_special_tokens)
+            _, tokens = await self._render_and_encode_chat(
+                request.messages, request.add_generation_prompt, None, request.continue_final_message,
+                request.chat_template_kwargs or {}, add_special_tokens=bool(request.add_special_tokens))
         else:
-            text = request.prompt
-            add_special_tokens = request.add_special_tokens is not False
-        tokens = encode_prompt(self.tokenizer, text, add_special_tokens=add_special_tokens)
+            tokens = await self._encode(request.prompt, add_special_tokens=request.add_special_tokens is not False)
         return P.TokenizeResponse(count=len(tokens), max_model_len=self.model_info.max_model_len, tokens=tokens)
 
-    def detokenize(self, request: P.DetokenizeRequest) -> P.DetokenizeResponse:
+    async def detokenize(self, request: P.DetokenizeRequest) -> P.DetokenizeResponse:
         self._check_model(request.model)
         self._check_token_ids(request.tokens, param="tokens")
-        return P.DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        return P.DetokenizeResponse(prompt=await self._off_loop(len(request.tokens), self.tokenizer.decode,
+                                                                request.tokens))
 
     # ---- request -> engine ----
 
@@ -353,7 +423,7 @@ class OpenAIServing:
         if bad is not None:
             raise InvalidRequestError(f"Token ID {bad} is out of vocabulary (size {vocab_size}).", param=param)
 
-    def _completion_prompts(self, prompt: Union[str, list]) -> list[_Prompt]:
+    async def _completion_prompts(self, prompt: Union[str, list], n: int) -> list[_Prompt]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif not prompt:
@@ -362,10 +432,14 @@ class OpenAIServing:
             items = [prompt]  # one prompt of token IDs
         else:
             items = prompt
+        self.limits.check_prompt_count(len(items), n)
+        for item in items:  # every prompt's length before any is tokenized
+            if isinstance(item, str):
+                self._check_prompt_chars(len(item), param="prompt")
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(_Prompt(item, encode_prompt(self.tokenizer, item)))
+                prompts.append(_Prompt(item, await self._encode(item)))
             else:
                 self._check_token_ids(item, param="prompt")
                 prompts.append(_Prompt(None, list(item)))
@@ -392,8 +466,7 @@ class OpenAIServing:
             return requested
         return room if default is None else min(default, room)
 
-    @staticmethod
-    def _sampling_params(request: P.SamplingFields, max_tokens: int, logprobs: Optional[int],
+    def _sampling_params(self, request: P.SamplingFields, max_tokens: int, logprobs: Optional[int],
                          prompt_logprobs: Optional[int]) -> SamplingParams:
         fields: dict[str, Any] = dict(
             n=request.n, max_tokens=max_tokens, min_tokens=request.min_tokens, seed=request.seed,
@@ -405,7 +478,10 @@ class OpenAIServing:
             value = getattr(request, name)
             if value is not None:
                 fields[name] = value
-        return SamplingParams(**fields)  # checks every value, naming the parameter
+        params = SamplingParams(**fields)  # checks every value, naming the parameter
+        self.limits.check_sampling_params(params)
+        self.limits.check_cache_salt(request.cache_salt)
+        return params
 
     # ---- engine -> response ----
 
@@ -543,6 +619,25 @@ class OpenAIServing:
                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], self._usage(runs))
+
+
+def _check_stream_options(request: P.SamplingFields) -> None:
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequestError("stream_options can only be set when stream is true.", param="stream_options")
+
+
+def _chat_text_size(messages: Any) -> int:
+    """Characters of the messages' text: a lower bound of the rendered prompt's length, known
+    before rendering (``render_chat`` checks the messages' shape)."""
+    size = 0
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(part["text"]) for part in content
+                        if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return size
 
 
 async def _prepend(first: Optional[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
