@@ -25,7 +25,7 @@ from frontend.api_server import create_app
 from frontend.grpc_client import GrpcEngineClient
 from frontend.tokenizer import load_tokenizer
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
-from servers import LoopThread, uvicorn_on, wait_for
+from helpers import LoopThread, uvicorn_on, wait_for
 from conftest import TINY_VOCAB, build_tokenizer
 
 COMPLETION = {"prompt": "Hello", "max_tokens": 4}

@@ -712,6 +712,9 @@ class StartupFakeBackend:
     async def tokenizer_fingerprint(self) -> str:
         return tokenizer_fingerprint(str(self.files_dir))
 
+    def expect_tokenizer(self, fingerprint: str) -> None:
+        pass
+
     async def get_load(self) -> EngineLoad:
         return EngineLoad(0, 0, 0.0)
 

@@ -26,7 +26,7 @@ from backend.engine import AsyncLLMEngine
 from backend.request import SamplingParams
 from backend.server import BackendServer
 from frontend.grpc_client import BackendUnavailableError, GrpcEngineClient
-from servers import LoopThread, free_port, wait_for
+from helpers import LoopThread, free_port, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POISON = [99, 98, 97]

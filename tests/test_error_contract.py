@@ -24,7 +24,7 @@ from frontend.api_server import create_app
 from frontend.grpc_client import GrpcEngineClient
 from frontend.tokenizer import load_tokenizer
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
-from servers import LoopThread, uvicorn_on
+from helpers import LoopThread, uvicorn_on
 
 MAX_MODEL_LEN = 64
 VOCAB = 384

@@ -12,10 +12,8 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from frontend.grpc_client import (
     GrpcEngineClient,
     error_from_status,
 )
+from helpers import LoopThread, free_port
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -54,23 +53,6 @@ def engine_config(model_dir: Path) -> EngineConfig:
     # max_num_seqs=4 and 64 blocks of 4 tokens: many streams wait, some get preempted.
     return EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=4,
                         max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
-
-
-class LoopThread:
-    """An event loop on a daemon thread: the server and its engine live there."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 @dataclass
@@ -128,12 +110,6 @@ def wait_until_idle(backend: Backend, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"backend still busy after {timeout} s: {load} free blocks {free}/{NUM_BLOCKS}")
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reference_outputs(model_dir: Path, prompt: list[int], params: SamplingParams):
