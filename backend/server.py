@@ -1,6 +1,7 @@
 """The backend's gRPC server: EngineService over an in-process engine, plus health, reflection, metrics.
 
-    python -m backend.server [MODEL] --host 0.0.0.0 --port 50051 --metrics-port 8001 [engine flags]
+    python -m backend.server [MODEL] [--host 127.0.0.1] [--port 50051] [--metrics-port 8001]
+        [--auth-token TOKEN] [--ssl-certfile F --ssl-keyfile F [--ssl-ca-certs F]] [--insecure] [engine flags]
 
 A Generate call becomes one engine request (proto -> ``SamplingParams``) whose
 ``EngineOutput`` deltas stream back as ``GenerateResponse``s. However the call
@@ -9,6 +10,11 @@ is closed, which aborts the request and frees its KV blocks at once; a call's
 deadline also travels into the engine, which aborts the request when it
 passes. Exceptions become status codes in one place, ``map_errors``; a
 message that does not decode is INVALID_ARGUMENT, never UNKNOWN.
+
+Security (``backend.auth``): loopback by default; beyond it, a token
+(checked by one interceptor, UNAUTHENTICATED otherwise) or mutual TLS, unless
+``--insecure``. Health stays open; metrics bind apart (``--metrics-host``,
+loopback by default). Abort stops only the caller's own requests.
 
 Admission control: a Generate call whose sequences would take the ones in
 flight past ``max_num_seqs + --max-num-queued-requests`` is refused at once
@@ -41,6 +47,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from backend.auth import TOKEN_ENV, ServerSecurity
 from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
 from backend.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestTimeoutError, TandemError
@@ -278,6 +285,13 @@ async def _until_set(outputs: AsyncIterator[EngineOutput], stop: asyncio.Event) 
         await outputs.aclose()
 
 
+def caller_of(context: grpc.aio.ServicerContext) -> object:
+    """Who is calling, for Abort's scope: the client certificate's identities under mutual TLS
+    (the same frontend on any of its connections), else the connection (its address and port)."""
+    identities = context.peer_identities()
+    return tuple(identities) if identities else context.peer()
+
+
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """EngineService over an engine with the ``EngineClient`` methods (an ``AsyncLLMEngine``).
 
@@ -299,6 +313,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._tokenizer_fingerprint = tokenizer_fingerprint(tokenizer_dir)
         self._version = backend_version()
         self._stop_events: dict[str, asyncio.Event] = {}  # running Generate calls, by request ID
+        self._callers: dict[str, object] = {}  # who started each of them (``caller_of``)
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
@@ -324,6 +339,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         call = _GenerateCall(params.n, len(prompt), self.metrics)
         stop = self._stop_events[request_id] = asyncio.Event()
+        self._callers[request_id] = caller_of(context)
         self.num_sequences_in_flight += params.n
         self._idle.clear()
         try:
@@ -345,16 +361,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 self.metrics.observe_deadline_expired()
             self.num_sequences_in_flight -= params.n
             del self._stop_events[request_id]
+            del self._callers[request_id]
             if not self._stop_events:
                 self._idle.set()
 
     @map_errors
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+        caller = caller_of(context)
         for request_id in request.request_ids:
-            stop = self._stop_events.get(request_id)
-            if stop is not None:
-                stop.set()  # its Generate call sends the ABORT responses and ends OK
+            if self._callers.get(request_id) != caller:
+                continue  # another caller's request (or none): ignored, as an unknown ID is
+            self._stop_events[request_id].set()  # its Generate call sends the ABORT responses and ends OK
             await self.engine.abort(request_id)  # frees the blocks now, not when that call wakes
         return engine_pb2.AbortResponse()
 
@@ -426,13 +444,16 @@ class BackendServer:
 
     def __init__(self, engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 50051,
                  metrics_port: Optional[int] = None, limits: Optional[Limits] = None,
-                 max_connection_age: float = DEFAULT_MAX_CONNECTION_AGE_S) -> None:
+                 max_connection_age: float = DEFAULT_MAX_CONNECTION_AGE_S,
+                 security: Optional[ServerSecurity] = None, metrics_host: str = "127.0.0.1") -> None:
         self.engine = engine
         self.host = host
         self.port = port  # the bound port once started (port 0 picks a free one)
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
         self.limits = limits or Limits()
         self.max_connection_age = max_connection_age
+        self.security = security or ServerSecurity()
         self.metrics: Optional[EngineMetrics] = None
         self.servicer: Optional[EngineServicer] = None
         self.health = health.aio.HealthServicer()
@@ -441,6 +462,7 @@ class BackendServer:
         self._watcher: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
+        self.security.check_bind(self.host)
         info = await self.engine.model_info()
         self.metrics = EngineMetrics(self.engine.engine, info.model_name)
         self.servicer = EngineServicer(self.engine, info.tokenizer_path, self.metrics, self.limits,
@@ -462,13 +484,15 @@ class BackendServer:
             # Clients reconnect after this long (running streams finish first: the grace is
             # unlimited), so a load balancer or DNS in front sends new connections to new replicas.
             options.append(("grpc.max_connection_age_ms", int(self.max_connection_age * 1000)))
-        server = grpc.aio.server(options=options)
+        interceptors = self.security.interceptors(
+            on_reject=lambda method: self.metrics.observe_rejected(method, "unauthenticated"))
+        server = grpc.aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers((engine_service_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             server)
         try:
-            self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+            self.port = self.security.add_port(server, f"{self.host}:{self.port}")
         except RuntimeError:  # gRPC says only "Failed to bind"
             raise port_error(self.host, self.port, "--port") from None
         await server.start()
@@ -477,10 +501,10 @@ class BackendServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.metrics_port is not None:
             try:
-                self.metrics_port = self.metrics.start_http_server(self.host, self.metrics_port)
+                self.metrics_port = self.metrics.start_http_server(self.metrics_host, self.metrics_port)
             except OSError as error:
                 await self._server.stop(grace=None)
-                raise port_error(self.host, self.metrics_port, "--metrics-port", error) from None
+                raise port_error(self.metrics_host, self.metrics_port, "--metrics-port", error) from None
         self._watcher = asyncio.create_task(self._watch_engine())
 
     async def _watch_engine(self) -> None:
@@ -504,15 +528,18 @@ class BackendServer:
 
 async def serve(config: EngineConfig, host: str, port: int, metrics_port: Optional[int],
                 shutdown_timeout: float, limits: Optional[Limits] = None,
-                max_connection_age: float = DEFAULT_MAX_CONNECTION_AGE_S) -> int:
-    """Check the ports, load the engine, serve until SIGTERM/SIGINT (exit code 0) or the engine's
-    death (exit code 1), then drain and stop."""
-    check_port_free(host, port, "--port")  # before the model loads, which takes a while
+                max_connection_age: float = DEFAULT_MAX_CONNECTION_AGE_S, security: Optional[ServerSecurity] = None,
+                metrics_host: str = "127.0.0.1") -> int:
+    """Check the bind and the ports, load the engine, serve until SIGTERM/SIGINT (exit code 0) or
+    the engine's death (exit code 1), then drain and stop."""
+    security = security or ServerSecurity()
+    security.check_bind(host)  # before the model loads, which takes a while
+    check_port_free(host, port, "--port")
     if metrics_port is not None:
-        check_port_free(host, metrics_port, "--metrics-port")
+        check_port_free(metrics_host, metrics_port, "--metrics-port")
     engine = AsyncLLMEngine(config, limits)
     try:
-        server = BackendServer(engine, host, port, metrics_port, limits, max_connection_age)
+        server = BackendServer(engine, host, port, metrics_port, limits, max_connection_age, security, metrics_host)
         await server.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -538,9 +565,21 @@ async def serve(config: EngineConfig, host: str, port: int, metrics_port: Option
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.server", description=__doc__.splitlines()[0])
     EngineConfig.add_cli_args(parser)
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind gRPC and metrics to")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to serve gRPC on; anything but loopback needs --auth-token or mTLS "
+                             "(--ssl-ca-certs), or --insecure")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address to serve Prometheus /metrics on")
     parser.add_argument("--metrics-port", type=int, default=8001, help="Prometheus /metrics port")
+    security = parser.add_argument_group("security (health stays open; everything else needs the token)")
+    security.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV),
+                          help=f"require 'authorization: Bearer TOKEN' metadata on every call (default: ${TOKEN_ENV})")
+    security.add_argument("--ssl-certfile", default=None, help="serve TLS with this certificate (PEM)")
+    security.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    security.add_argument("--ssl-ca-certs", default=None,
+                          help="require client certificates signed by this CA (mutual TLS)")
+    security.add_argument("--insecure", action="store_true",
+                          help="allow a non-loopback --host with neither a token nor mutual TLS")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running streams get to finish after SIGTERM")
     parser.add_argument("--max-connection-age", type=float, default=DEFAULT_MAX_CONNECTION_AGE_S,
@@ -550,8 +589,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        security = ServerSecurity(args.auth_token or None, args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
+                                  args.insecure)  # an empty $TANDEM_GRPC_TOKEN is no token
         return asyncio.run(serve(EngineConfig.from_cli_args(args), args.host, args.port, args.metrics_port,
-                                 args.shutdown_timeout, Limits.from_cli_args(args), args.max_connection_age))
+                                 args.shutdown_timeout, Limits.from_cli_args(args), args.max_connection_age,
+                                 security, args.metrics_host))
     except TandemError as error:  # a bad flag or model: say what, without a traceback
         print(f"error: {error}", file=sys.stderr)
         return 1

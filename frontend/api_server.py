@@ -73,6 +73,7 @@ logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
 API_KEY_ENV = "TANDEM_API_KEY"  # read when --api-key is not given (keeps the key out of `ps`)
+BACKEND_TOKEN_ENV = "TANDEM_GRPC_TOKEN"  # read when --backend-auth-token is not given
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -311,7 +312,8 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     for collector in collectors:
         metrics.registry.register(collector)
     instance_headers = {INSTANCE_HEADER: os.environ[INSTANCE_ENV]} if os.environ.get(INSTANCE_ENV) else {}
-    app = FastAPI(title="Tandem", version=tandem_version(), docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Tandem", version=tandem_version(), docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     protected = [Depends(api_key_checker(api_key))]
 
     @app.post("/v1/completions", dependencies=protected)
@@ -326,9 +328,11 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def models() -> P.ModelList:
         return serving.models()
 
-    @app.post("/tokenize", dependencies=protected)
-    async def tokenize(request: P.TokenizeRequest) -> P.TokenizeResponse:
-        return await serving.tokenize(request)
+    # Serialized by pydantic in one call: FastAPI's own encoding of a long token list takes
+    # seconds on the event loop.
+    @app.post("/tokenize", dependencies=protected, response_model=P.TokenizeResponse)
+    async def tokenize(request: P.TokenizeRequest) -> Response:
+        return Response((await serving.tokenize(request)).model_dump_json(), media_type="application/json")
 
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
@@ -414,15 +418,16 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
               api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info",
               routing: str = "prefix", routing_prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-              limits: Optional[Limits] = None) -> None:
+              limits: Optional[Limits] = None, security=None) -> None:
     """Connect to the backends of ``backend`` (``frontend.router.parse_targets``), check the
     tokenizer, serve HTTP until SIGINT/SIGTERM. Raises ``StartupError`` (or another
-    ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start."""
+    ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start.
+    ``security`` (a ``ChannelSecurity``) reaches every backend connection the router opens."""
     from frontend.grpc_client import GrpcEngineClient
 
     check_port_free(host, port, "--port")
     router = Router(parse_targets(backend), routing, routing_prefix_tokens,
-                    client_factory=lambda address: GrpcEngineClient(address, limits))
+                    client_factory=lambda address: GrpcEngineClient(address, limits, security))
     try:
         await router.start()
         await wait_for_backend(router, backend, backend_timeout)
@@ -480,6 +485,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds open requests get to finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     Limits.add_cli_args(parser, FRONTEND_LIMITS)
+    security = parser.add_argument_group("the backend connection's security (see `tandem backend --help`)")
+    security.add_argument("--backend-auth-token", default=os.environ.get(BACKEND_TOKEN_ENV),
+                          help=f"the backend's --auth-token (default: ${BACKEND_TOKEN_ENV})")
+    security.add_argument("--backend-ssl-ca-certs", default=None,
+                          help="use TLS, trusting backend certificates this CA signed (PEM)")
+    security.add_argument("--backend-ssl-certfile", default=None, help="client certificate for mutual TLS (PEM)")
+    security.add_argument("--backend-ssl-keyfile", default=None, help="the client certificate's private key (PEM)")
+    security.add_argument("--backend-ssl-server-name", default=None,
+                          help="the name to check in the backend's certificate (default: the --backend host)")
     return parser
 
 
@@ -496,9 +510,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
     try:
+        from frontend.grpc_client import ChannelSecurity
+
+        security = ChannelSecurity(args.backend_auth_token, args.backend_ssl_ca_certs, args.backend_ssl_certfile,
+                                   args.backend_ssl_keyfile, args.backend_ssl_server_name)
         asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
                         args.backend_timeout, args.shutdown_timeout, args.log_level, args.routing,
-                        args.routing_prefix_tokens, Limits.from_cli_args(args)))
+                        args.routing_prefix_tokens, Limits.from_cli_args(args), security))
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

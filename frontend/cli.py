@@ -152,8 +152,11 @@ def serve(args: argparse.Namespace) -> int:
     frontend_env = {**os.environ, INSTANCE_ENV: instance_id}
     if args.api_key:
         frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+    backend_env = dict(os.environ)
+    if args.auth_token:  # both ends read it from the environment, not the command line
+        backend_env["TANDEM_GRPC_TOKEN"] = frontend_env["TANDEM_GRPC_TOKEN"] = args.auth_token
     # Both start at once: the frontend loads its libraries while the backend loads the model.
-    backend = _Child("backend", backend_argv)
+    backend = _Child("backend", backend_argv, backend_env)
     frontend = _Child("frontend", frontend_argv, frontend_env)
     children = (frontend, backend)  # the order they stop in
     base_url = f"http://{_local_address(args.host)}:{args.port}"
@@ -251,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds running requests get to finish on SIGINT/SIGTERM")
+    serve_parser.add_argument("--auth-token", default=os.environ.get("TANDEM_GRPC_TOKEN"),
+                              help="a token the backend requires on its loopback gRPC port, so other local users "
+                                   "cannot use it (default: $TANDEM_GRPC_TOKEN)")
     Limits.add_cli_args(serve_parser, tuple(dict.fromkeys(FRONTEND_LIMITS + BACKEND_LIMITS)))
     serve_parser.set_defaults(handler=serve)
 

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
@@ -38,6 +39,8 @@ from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 ERROR_PARAM_METADATA_KEY = "tandem-error-param"
+AUTH_METADATA_KEY = "authorization"  # the backend's token check (backend/auth.py): "Bearer <token>"
+TOKEN_ENV = "TANDEM_GRPC_TOKEN"
 UNARY_TIMEOUT_S = 30.0  # a backend that does not answer a unary call by then counts as unavailable
 HEALTH_TIMEOUT_S = 1.0
 # Reconnect within about a second of a restarted backend coming back (gRPC's default backoff
@@ -123,6 +126,53 @@ def output_from_response(request_id: str, response: engine_pb2.GenerateResponse)
 # ---- the client ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a frontend reaches a backend: its token and TLS settings (the frontend's --backend-* flags).
+
+    ``ssl_ca_certs`` turns TLS on (the CA that signed the backend's certificate);
+    ``ssl_certfile``/``ssl_keyfile`` add a client certificate (mTLS);
+    ``ssl_server_name`` overrides the name checked in the backend's certificate
+    (for an address that is not in it, e.g. an IP).
+    """
+
+    auth_token: Optional[str] = None
+    ssl_ca_certs: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_keyfile: Optional[str] = None
+    ssl_server_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise InvalidRequestError("--backend-ssl-certfile and --backend-ssl-keyfile go together.",
+                                      param="backend_ssl_certfile")
+        if (self.ssl_certfile or self.ssl_server_name) and not self.ssl_ca_certs:
+            raise InvalidRequestError("A client certificate or server name needs --backend-ssl-ca-certs (TLS).",
+                                      param="backend_ssl_ca_certs")
+
+    @property
+    def metadata(self) -> tuple:
+        """Metadata every call carries."""
+        return ((AUTH_METADATA_KEY, f"Bearer {self.auth_token}"),) if self.auth_token else ()
+
+    def channel(self, address: str, options: list) -> grpc.aio.Channel:
+        if not self.ssl_ca_certs:
+            return grpc.aio.insecure_channel(address, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ssl_ca_certs),
+            private_key=_read(self.ssl_keyfile) if self.ssl_keyfile else None,
+            certificate_chain=_read(self.ssl_certfile) if self.ssl_certfile else None)
+        if self.ssl_server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self.ssl_server_name)]
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+
 class GrpcEngineClient:
     """``EngineClient`` over a backend's gRPC address (``host:port``).
 
@@ -132,9 +182,12 @@ class GrpcEngineClient:
     that fingerprint before requests use it.
     """
 
-    def __init__(self, address: str, limits: Optional[Limits] = None) -> None:
+    def __init__(self, address: str, limits: Optional[Limits] = None,
+                 security: Optional[ChannelSecurity] = None) -> None:
         self.address = address
         self.limits = limits or Limits()
+        self.security = security or ChannelSecurity()
+        self._metadata = self.security.metadata
         self._channel: Optional[grpc.aio.Channel] = None
         self._stub: Optional[engine_pb2_grpc.EngineServiceStub] = None
         self._health: Optional[health_pb2_grpc.HealthStub] = None
@@ -147,7 +200,7 @@ class GrpcEngineClient:
     def _connect(self) -> None:
         if self._channel is None:
             message_bytes = self.limits.max_grpc_message_bytes
-            self._channel = grpc.aio.insecure_channel(
+            self._channel = self.security.channel(
                 self.address, options=[("grpc.max_send_message_length", message_bytes),
                                        ("grpc.max_receive_message_length", message_bytes),
                                        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
@@ -222,7 +275,7 @@ class GrpcEngineClient:
             raise InvalidRequestError(f"The request cannot be sent to the backend: {error}") from None
         await self._check_backend()
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        call = self._engine.Generate(request, timeout=timeout)
+        call = self._engine.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield output_from_response(request_id, response)
@@ -256,7 +309,8 @@ class GrpcEngineClient:
         tokenizer; False otherwise."""
         self._connect()
         try:
-            response = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            response = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S,
+                                                metadata=self._metadata)
             if response.status != health_pb2.HealthCheckResponse.SERVING:
                 return False
             await asyncio.wait_for(self._check_backend(), HEALTH_TIMEOUT_S)
@@ -273,7 +327,8 @@ class GrpcEngineClient:
         """
         files: dict[str, bytearray] = {}
         sizes: dict[str, int] = {}
-        call = self._engine.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=UNARY_TIMEOUT_S)
+        call = self._engine.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=UNARY_TIMEOUT_S,
+                                         metadata=self._metadata)
         try:
             async for chunk in call:
                 if chunk.file_name not in files:
@@ -305,7 +360,7 @@ class GrpcEngineClient:
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=UNARY_TIMEOUT_S)
+            return await method(request, timeout=UNARY_TIMEOUT_S, metadata=self._metadata)
         except grpc.aio.AioRpcError as error:
             raise error_from_status(error) from None
 

@@ -738,7 +738,7 @@ def test_frontend_refuses_a_tokenizer_that_is_not_the_backends(tokenizer_dir, tm
     (other / "tokenizer_config.json").write_text(
         (tokenizer_dir / "tokenizer_config.json").read_text().replace("im_start", "im_begin"))
     monkeypatch.setattr(frontend.grpc_client, "GrpcEngineClient",
-                        lambda address, limits: StartupFakeBackend(address, tokenizer_dir))
+                        lambda address, limits, security: StartupFakeBackend(address, tokenizer_dir))
     code = api_server.main(["--backend", "127.0.0.1:1", "--tokenizer", str(other), "--port", str(free_port())])
     assert code == 1
     assert "is not the backend's" in capsys.readouterr().err
