@@ -331,9 +331,6 @@ class OpenAIServing:
         self._check_prompt_chars(len(text), param=param)
         return await self._off_loop(len(text), encode_prompt, self.tokenizer, text, add_special_tokens)
 
-    def close(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
-
     @property
     def model_name(self) -> str:
         return self.model_info.model_name
