@@ -76,3 +76,18 @@ def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+async def raw_post(host: str, port: int, path: str, body: bytes, timeout: float = 120.0) -> tuple[int, bytes]:
+    """POST over a fresh connection with plain asyncio streams (cheap enough for thousands at once);
+    returns the status and the whole body (the server closes the connection)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, payload = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), payload
