@@ -23,11 +23,16 @@ batch is the "fraction of the ceiling" the performance targets speak of.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 import json
 import time
 
 import torch
 import torch.nn.functional as F
+
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 
 def best_time(fn, repeat: int, min_seconds: float = 0.2) -> float:

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serving  # noqa: E402
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import serving  # noqa: E402
 
 LLAMA_SERVER = """
 import sys, time, xllamacpp
@@ -83,7 +84,7 @@ def run_server(argv: list[str], url: str, levels: list[int], args, tokenizer, lo
         wait_ready(url, proc, args.start_timeout)
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         return asyncio.run(serving.run_levels(url, model, levels, args.num_prompts, args.prompt_len,
-                                              args.output_len, args.timeout, tokenizer))
+                                              args.output_len, args.timeout, tokenizer, waves=args.waves))
     finally:
         stop(proc)
 
@@ -91,7 +92,8 @@ def run_server(argv: list[str], url: str, levels: list[int], args, tokenizer, lo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--num-prompts", type=int, default=None, help="per level (default 2 x concurrency)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="per level (default: waves x concurrency)")
+    parser.add_argument("--waves", type=int, default=2, help="without --num-prompts: requests per level = waves x concurrency")
     parser.add_argument("--prompt-len", type=int, default=120)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")

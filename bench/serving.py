@@ -23,10 +23,14 @@ import asyncio
 import json
 import statistics
 import sys
+from pathlib import Path
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 SENTENCES = [
     "The history of the printing press begins in the fifteenth century in Europe.",
@@ -162,13 +166,14 @@ def load_tokenizer(path: str | None):
 
 
 async def run_levels(url: str, model: str, levels: list[int], num_prompts: int | None, prompt_len: int,
-                     output_len: int, timeout: float, tokenizer=None, warmup: bool = True) -> list[dict]:
-    """One result per concurrency level (num_prompts None: 2 x concurrency, at least 4)."""
+                     output_len: int, timeout: float, tokenizer=None, warmup: bool = True,
+                     waves: int = 2) -> list[dict]:
+    """One result per concurrency level (num_prompts None: waves x concurrency)."""
     if warmup:
         await run_level(url, model, make_prompts(1, 16, tokenizer), 4, 1, timeout)
     out = []
     for offset, concurrency in enumerate(levels):
-        n = num_prompts or max(4, 2 * concurrency)
+        n = num_prompts or waves * concurrency
         # A fresh prompt set per level (offset), so no level hits an earlier level's prefix cache.
         prompts = make_prompts(n * (offset + 1), prompt_len, tokenizer)[n * offset:]
         out.append(await run_level(url, model, prompts, output_len, concurrency, timeout))
@@ -180,7 +185,8 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--num-prompts", type=int, default=None, help="per level (default 2 x concurrency)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="per level (default: waves x concurrency)")
+    parser.add_argument("--waves", type=int, default=2, help="without --num-prompts: requests per level = waves x concurrency")
     parser.add_argument("--prompt-len", type=int, default=120)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer dir for exact prompt lengths")
@@ -192,7 +198,7 @@ def main() -> None:
         model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
     levels = asyncio.run(run_levels(args.url, model, [int(c) for c in args.concurrency.split(",")],
                                     args.num_prompts, args.prompt_len, args.output_len, args.timeout,
-                                    load_tokenizer(args.tokenizer)))
+                                    load_tokenizer(args.tokenizer), waves=args.waves))
     print_table(f"{args.url} ({model}): {args.prompt_len}-token prompts -> {args.output_len} tokens", levels)
     if args.json:
         with open(args.json, "w") as f:

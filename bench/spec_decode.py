@@ -15,7 +15,11 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 import time
+
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 PARAGRAPHS = [
     "The printing press was invented in the fifteenth century. It allowed books to be made quickly "
