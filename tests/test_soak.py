@@ -121,6 +121,7 @@ def test_64_stream_soak(tiny_checkpoint, tmp_path):
         print(f"\nsoak: {outcomes['ok']} requests in {SOAK_SECONDS:.0f} s, backend RSS "
               f"{warm[0] / 2**20:.0f} -> {warm[-1] / 2**20:.0f} MiB after warm-up ({growth:+.1%}), "
               f"max {max(warm) / 2**20:.0f} MiB")
+        print("backend RSS (s, MiB): " + " ".join(f"{t:.0f}:{rss / 2**20:.0f}" for t, rss in samples))
         assert growth <= 0.05
 
         def load() -> dict:
