@@ -36,11 +36,43 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+# Each setting's meaning: the one source of the ``--flag`` help texts (which add the default).
+FIELD_HELP = {
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "served_model_name": "the model name clients use (default: the model argument)",
+    "revision": "hub revision of the model",
+    "dtype": "auto = bf16 on GPUs and on CPUs with native bf16 (avx512_bf16/AMX), else fp32; "
+             f"or one of {', '.join(DTYPES[1:])}",
+    "seed": "global RNG seed (a request's seed overrides it)",
+    "device": "auto, cpu or cuda",
+    "max_model_len": "longest prompt + output in tokens (default: the model's)",
+    "max_num_seqs": "sequences in one batch",
+    "max_num_batched_tokens": "tokens in one step (prompt chunks + decodes)",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse the KV blocks of shared prefixes",
+    "enforce_eager": "no compilation and no CUDA graphs",
+    "kv_cache_memory_gb": "KV-cache size on CPU, GiB",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache",
+    "num_kv_blocks": "exact number of KV-cache blocks (overrides the two above)",
+    "tensor_parallel_size": "GPUs (or CPU workers) one layer is split over",
+    "pipeline_parallel_size": "stages the layers are split into",
+    "distributed_executor_backend": f"one of {', '.join(EXECUTORS)} (default: uni for one worker, else mp)",
+    "download_dir": "where fetched and converted models live (default: $TANDEM_CACHE or ~/.cache/tandem)",
+    "quantization": f"weight quantization: one of {', '.join(QUANTIZATIONS)} (weight-only, CPU, float32 "
+                    "activations) (default: the checkpoint's precision)",
+    "speculative_config": 'speculative decoding by n-gram prompt lookup, vLLM\'s JSON, e.g. '
+                          '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                          '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\' (default: off)',
+}
+
+
 def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type, names: list[str],
                            help_texts: Optional[dict[str, str]] = None) -> None:
     """One ``--flag-name`` per named field of dataclass ``cls``, typed from its annotation.
 
-    ``Optional[X]`` parses X (None is simply the default); bools get ``--x/--no-x``.
+    ``Optional[X]`` parses X (None is simply the default); bools get ``--x/--no-x``. Each help
+    text is ``help_texts[name]`` (else the name in words) plus the default, unless it names one.
     """
     defaults = cls()
     hints = typing.get_type_hints(cls)
@@ -48,9 +80,10 @@ def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type, names: li
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         kind = next((t for t in typing.get_args(hints[name]) if t is not type(None)), hints[name])
-        help_text = (help_texts or {}).get(name)
-        if help_text is not None:
-            help_text += f" (default: {default})"
+        help_text = (help_texts or {}).get(name, name.replace("_", " "))
+        if "(default:" not in help_text:
+            shown = ("on" if default else "off") if kind is bool else default
+            help_text += f" (default: {shown})"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif kind is dict:
@@ -277,7 +310,7 @@ class EngineConfig:
         if with_model:
             parser.add_argument("model", nargs="?", default=None,
                                 help="HF directory, .gguf file or hub name (default: SmolLM2-135M-Instruct)")
-        add_dataclass_cli_args(parser, cls, [name for name in cls.field_names() if name != "model"])
+        add_dataclass_cli_args(parser, cls, [name for name in cls.field_names() if name != "model"], FIELD_HELP)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

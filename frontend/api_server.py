@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import hmac
 import importlib.metadata
 import logging
@@ -49,7 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerFast
 
 from backend.config import EngineConfig
-from backend.errors import OverloadedError, TandemError
+from backend.errors import InvalidRequestError, OverloadedError, TandemError
 from backend.limits import FRONTEND_LIMITS, Limits
 from backend.ports import check_port_free, port_error
 from backend.request import ModelInfo
@@ -68,6 +69,7 @@ from frontend.serving import (
     error_of_exception,
 )
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
+from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -293,12 +295,12 @@ def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
 
 # The routes that queue work on the engine: admission control counts these.
-GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
 
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
                api_key: Optional[str] = None, collectors: Sequence[Collector] = (),
-               limits: Optional[Limits] = None) -> FastAPI:
+               limits: Optional[Limits] = None, tool_call_parser: str = "auto") -> FastAPI:
     """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
 
     ``/health`` asks ``engine_client.health()`` (``GrpcEngineClient`` and ``Router`` have it) and
@@ -307,12 +309,13 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     router's) are served on ``/metrics`` with the HTTP metrics.
     """
     limits = limits or Limits()
-    serving = OpenAIServing(engine_client, tokenizer, model_info, limits)
+    serving = OpenAIServing(engine_client, tokenizer, model_info, limits, tool_call_parser)
     metrics = HttpMetrics()
     for collector in collectors:
         metrics.registry.register(collector)
     instance_headers = {INSTANCE_HEADER: os.environ[INSTANCE_ENV]} if os.environ.get(INSTANCE_ENV) else {}
-    app = FastAPI(title="Tandem", version=tandem_version(), docs_url=None, redoc_url=None,
+    # /openapi.json and /docs describe exactly the request models the routes parse.
+    app = FastAPI(title="Tandem", version=tandem_version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     protected = [Depends(api_key_checker(api_key))]
 
@@ -324,15 +327,41 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving.create_chat_completion(request, raw_request)
 
+    @app.post("/invocations", dependencies=protected, response_model=None)
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
+        try:
+            body = await raw_request.json()
+        except ValueError:
+            raise InvalidRequestError("The body must be a JSON object.", param="body") from None
+        if isinstance(body, dict) and "messages" in body:
+            return await serving.create_chat_completion(P.ChatCompletionRequest.model_validate(body), raw_request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await serving.create_completion(P.CompletionRequest.model_validate(body), raw_request)
+        raise InvalidRequestError("/invocations takes a chat completion body (with messages) or a completion "
+                                  "body (with prompt).", param="messages")
+
     @app.get("/v1/models", dependencies=protected)
     async def models() -> P.ModelList:
         return serving.models()
+
+    @app.get("/v1/models/{model_id:path}", dependencies=protected)
+    async def model(model_id: str) -> P.ModelCard:
+        return serving.model_card(model_id)
 
     # Serialized by pydantic in one call: FastAPI's own encoding of a long token list takes
     # seconds on the event loop.
     @app.post("/tokenize", dependencies=protected, response_model=P.TokenizeResponse)
     async def tokenize(request: P.TokenizeRequest) -> Response:
         return Response((await serving.tokenize(request)).model_dump_json(), media_type="application/json")
+
+    @app.get("/tokenizer_info", dependencies=protected)
+    async def tokenizer_info() -> P.TokenizerInfoResponse:
+        return serving.tokenizer_info()
+
+    @app.get("/load")
+    async def load() -> P.LoadResponse:
+        return P.LoadResponse(server_load=serving.num_in_flight)
 
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
@@ -350,7 +379,16 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """The frontend's HTTP and router metrics, then the engines' (``Router.metrics_text``:
+        each backend's GetMetrics, labelled by backend). A client without it serves only ours."""
+        text = generate_latest(metrics.registry)
+        fetch = getattr(engine_client, "metrics_text", None)
+        if fetch is not None:
+            try:
+                text += (await fetch()).encode()
+            except TandemError as error:  # the backend is down: /health says so; keep serving ours
+                logger.warning("Could not fetch the backend's metrics: %s", error)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> P.VersionResponse:
@@ -418,7 +456,7 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
               api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info",
               routing: str = "prefix", routing_prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-              limits: Optional[Limits] = None, security=None) -> None:
+              limits: Optional[Limits] = None, security=None, tool_call_parser: str = "auto") -> None:
     """Connect to the backends of ``backend`` (``frontend.router.parse_targets``), check the
     tokenizer, serve HTTP until SIGINT/SIGTERM. Raises ``StartupError`` (or another
     ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start.
@@ -447,8 +485,8 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
         if served_model_name:
             model_info.model_name = served_model_name
         app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()],
-                         limits)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                         limits, tool_call_parser)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
         logger.info("Serving %s at http://%s:%d/v1 from the backends at %s (routing: %s).", model_info.model_name,
                     host, port, backend, routing)
@@ -458,6 +496,14 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
             raise port_error(host, port, "--port")
     finally:
         await router.close()
+
+
+def uvicorn_log_config() -> dict:
+    """uvicorn's logging, with a timestamp on every line (like the rest of Tandem's logs)."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -494,6 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--backend-ssl-keyfile", default=None, help="the client certificate's private key (PEM)")
     security.add_argument("--backend-ssl-server-name", default=None,
                           help="the name to check in the backend's certificate (default: the --backend host)")
+    parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
+                        help="format of tool calls in the model's replies (default: auto, from the chat template)")
     return parser
 
 
@@ -516,7 +564,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    args.backend_ssl_keyfile, args.backend_ssl_server_name)
         asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
                         args.backend_timeout, args.shutdown_timeout, args.log_level, args.routing,
-                        args.routing_prefix_tokens, Limits.from_cli_args(args), security))
+                        args.routing_prefix_tokens, Limits.from_cli_args(args), security, args.tool_call_parser))
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

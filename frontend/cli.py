@@ -34,6 +34,7 @@ from backend.errors import TandemError
 from backend.limits import BACKEND_LIMITS, FRONTEND_LIMITS, Limits
 from backend.ports import PortInUseError, check_port_free
 from backend.request import SamplingParams
+from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 POLL_INTERVAL_S = 0.2
 INSTANCE_ENV = "TANDEM_INSTANCE_ID"  # the frontend echoes it on /health, in INSTANCE_HEADER
@@ -145,6 +146,7 @@ def serve(args: argparse.Namespace) -> int:
     frontend_argv = [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{args.grpc_port}",
                      "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
                      "--backend-timeout", "0",  # we watch the backend process ourselves
+                     "--tool-call-parser", args.tool_call_parser,
                      *changed_flags(args, Limits(), FRONTEND_LIMITS)]
     # The frontend echoes this on /health: "serving" is announced only when our own frontend
     # answers, never another server that happens to hold the port.
@@ -258,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="a token the backend requires on its loopback gRPC port, so other local users "
                                    "cannot use it (default: $TANDEM_GRPC_TOKEN)")
     Limits.add_cli_args(serve_parser, tuple(dict.fromkeys(FRONTEND_LIMITS + BACKEND_LIMITS)))
+    serve_parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
+                              help="format of tool calls in the model's replies (default: auto, from the "
+                                   "chat template)")
     serve_parser.set_defaults(handler=serve)
 
     commands.add_parser("backend", add_help=False, help="the gRPC backend alone (see `tandem backend --help`)")

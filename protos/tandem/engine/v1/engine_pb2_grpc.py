@@ -60,6 +60,11 @@ class EngineServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/GetMetrics',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -75,8 +80,10 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stops requests now and frees their KV cache. Unknown or already finished
-        request IDs are ignored, so aborting is always safe.
+        """Stops requests now and frees their KV cache. Only requests started by the
+        same caller are stopped (the same client certificate under mutual TLS,
+        else the same connection); unknown, finished or other callers' request
+        IDs are ignored, so aborting is always safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +106,14 @@ class EngineServiceServicer:
 
     def GetLoad(self, request, context):
         """Reports the engine's current load, for routing and metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMetrics(self, request, context):
+        """The backend's Prometheus metrics, so a frontend's /metrics can serve
+        them beside its own HTTP metrics in one scrape.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +146,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +289,33 @@ class EngineService:
             '/tandem.engine.v1.EngineService/GetLoad',
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/GetMetrics',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,
