@@ -247,7 +247,8 @@ def test_lm_eval_remote_tokenizer_matches_hf(server, model, tmp_path):
          "--include_path", str(tasks), "--output_path", str(out), "--log_samples",
          "--model_args", f"model={model},base_url={server[0]}/v1/completions,tokenizer_backend=remote,"
                          "num_concurrent=1,max_retries=1,tokenized_requests=True"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1"})  # no network here
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     assert "acc,none" in results["tandem_ll"] and "exact_match,none" in results["tandem_gen"]
