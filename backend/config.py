@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,8 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: Optional[str] = None  # None: "uni" for one worker, else "mp"
+    # None: chosen as vLLM does (see executor_backend).
+    distributed_executor_backend: Optional[str] = None
     download_dir: Optional[str] = None  # where fetched and converted models live
 
     # Filled in by resolve().
@@ -106,9 +108,21 @@ class EngineConfig:
 
     @property
     def executor_backend(self) -> str:
+        """The executor to use: as given, else "uni" for one worker, "ray" when this process has
+        already initialised Ray or the world needs more GPUs than this machine has, else "mp"."""
         if self.distributed_executor_backend:
             return self.distributed_executor_backend
-        return "uni" if self.world_size == 1 else "mp"
+        if self.world_size == 1:
+            return "uni"
+        ray = sys.modules.get("ray")  # never imported just to ask
+        if ray is not None and ray.is_initialized():
+            return "ray"
+        if self.device_type == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.world_size:
+                return "ray"
+        return "mp"
 
     @property
     def cache_dir(self) -> Path:
@@ -128,6 +142,7 @@ class EngineConfig:
         self.hf_config = load_hf_config(self.model_path)
         self._resolve_device_and_dtype()
         self._resolve_max_model_len()
+        self._check_parallel_sizes()
         if self.enable_chunked_prefill is False and self.max_num_batched_tokens < self.max_model_len:
             raise InvalidRequestError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -152,6 +167,20 @@ class EngineConfig:
         else:
             self.torch_dtype_name = "float32"
 
+    def _check_parallel_sizes(self) -> None:
+        """Refuse TP/PP sizes the model cannot be split by, before any worker starts."""
+        from backend.models.registry import parallel_size_problem
+
+        problem = parallel_size_problem(self.hf_config, self.tensor_parallel_size,
+                                        self.pipeline_parallel_size)
+        if problem is not None:
+            raise InvalidRequestError(problem[1], param=problem[0])
+        if self.executor_backend == "uni" and self.world_size > 1:
+            raise InvalidRequestError(
+                f"The 'uni' executor runs one worker, but tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size}; use 'mp' (one machine) or 'ray'.",
+                param="distributed_executor_backend")
+
     def _resolve_max_model_len(self) -> None:
         cfg = self.hf_config
         limit = None
@@ -170,6 +199,12 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's maximum "
                 f"length ({limit}).", param="max_model_len")
+
+    def for_workers(self) -> "EngineConfig":
+        """This resolved config, light to send to worker processes (see PlainModelConfig)."""
+        from backend.models.loader import PlainModelConfig
+
+        return dataclasses.replace(self, hf_config=PlainModelConfig(self.hf_config, self.model_path))
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -24,3 +24,7 @@ class ModelNotFoundError(TandemError, ValueError):
 
 class EngineDeadError(TandemError, RuntimeError):
     """The engine loop stopped after an internal error (gRPC UNAVAILABLE, HTTP 503)."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A worker process (or Ray actor) died or failed: the engine cannot step any more."""

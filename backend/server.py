@@ -48,6 +48,7 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 TOKENIZER_CHUNK_BYTES = 1024 * 1024  # the proto's per-chunk maximum
 ERROR_PARAM_METADATA_KEY = "tandem-error-param"
+ENGINE_HEALTH_POLL_S = 0.5
 
 _FINISH_REASON_TO_PROTO = {
     None: engine_pb2.FINISH_REASON_UNSPECIFIED,
@@ -356,6 +357,7 @@ class BackendServer:
         self.servicer: Optional[EngineServicer] = None
         self.health = health.aio.HealthServicer()
         self._server: Optional[grpc.aio.Server] = None
+        self._watcher: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         info = await self.engine.model_info()
@@ -374,10 +376,21 @@ class BackendServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(self.host, self.metrics_port)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """Health tells the truth: NOT_SERVING as soon as the engine is dead (e.g. a worker died)."""
+        while await self.engine.health():
+            await asyncio.sleep(ENGINE_HEALTH_POLL_S)
+        logger.error("The engine is dead (%s); health is NOT_SERVING.", self.engine.dead_error)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, timeout: float) -> None:
         """Drain, then stop: NOT_SERVING, refuse new Generate calls, give running streams
         ``timeout`` seconds, cancel what is left (which aborts it in the engine)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING from now on
         if not await self.servicer.drain(timeout):
             logger.warning("Streams still running after %.1f s; cancelling them.", timeout)
