@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -19,6 +20,7 @@ from backend.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")
+QUANTIZATIONS = ("int8",)  # weight-only int8 on the CPU (backend/models/linear_methods.py)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -33,6 +35,56 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` for n-gram prompt lookup (the one method implemented).
+
+    ``disable_by_batch_size``: no drafts while more requests than this are running (verifying
+    drafts costs extra rows in every matmul, which pays only while the step is bandwidth-bound).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: Optional[int] = None
+
+    MAX_SPECULATIVE_TOKENS = 16
+
+    @classmethod
+    def from_dict(cls, value: Any) -> "SpeculativeConfig":
+        """Validate a user's dict (or JSON string); errors name the key."""
+        def bad(message: str) -> None:
+            raise InvalidRequestError(f"speculative_config: {message}", param="speculative_config")
+
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                bad(f"not valid JSON: {value!r}.")
+        if not isinstance(value, dict):
+            bad(f"expected a JSON object, got {type(value).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            bad(f"unsupported key(s) {', '.join(unknown)}; supported: {', '.join(sorted(known))}.")
+        if value.get("method", "ngram") != "ngram":
+            bad(f"method {value['method']!r} is not supported; only 'ngram' (prompt lookup) is.")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "disable_by_batch_size"):
+            if key in value and value[key] is not None and (
+                    not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1):
+                bad(f"{key} must be a positive integer, got {value[key]!r}.")
+        config = cls(**value)
+        if config.num_speculative_tokens > cls.MAX_SPECULATIVE_TOKENS:
+            bad(f"num_speculative_tokens must be at most {cls.MAX_SPECULATIVE_TOKENS}, "
+                f"got {config.num_speculative_tokens}.")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            bad(f"prompt_lookup_min ({config.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                f"({config.prompt_lookup_max}).")
+        return config
 
 
 @dataclass
@@ -68,6 +120,10 @@ class EngineConfig:
     # None: chosen as vLLM does (see executor_backend).
     distributed_executor_backend: Optional[str] = None
     download_dir: Optional[str] = None  # where fetched and converted models live
+    # Weight quantization: None (the checkpoint's precision) or "int8" (weight-only, CPU).
+    quantization: Optional[str] = None
+    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}
+    speculative_config: Optional[dict] = None
 
     # Filled in by resolve().
     model_path: Optional[Path] = field(default=None, repr=False)
@@ -97,10 +153,21 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad("gpu_memory_utilization",
                 f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}.")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
+        if self.quantization not in (None, *QUANTIZATIONS):
+            bad("quantization", f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
+                f"got {self.quantization!r}.")
         if self.distributed_executor_backend not in (None, *EXECUTORS):
             bad("distributed_executor_backend",
                 f"distributed_executor_backend must be one of {', '.join(EXECUTORS)}; "
                 f"got {self.distributed_executor_backend!r}.")
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def world_size(self) -> int:
@@ -162,10 +229,15 @@ class EngineConfig:
                                       param="device")
         if self.dtype != "auto":
             self.torch_dtype_name = self.dtype
-        elif self.device_type == "cuda" or cpu_has_native_bf16():
+        elif self.quantization is None and (self.device_type == "cuda" or cpu_has_native_bf16()):
             self.torch_dtype_name = "bfloat16"
         else:
             self.torch_dtype_name = "float32"
+        if self.quantization is not None and (self.device_type != "cpu" or self.torch_dtype_name != "float32"):
+            raise InvalidRequestError(
+                f"quantization={self.quantization!r} is implemented for the CPU with float32 "
+                f"activations; got device {self.device_type}, dtype {self.torch_dtype_name}.",
+                param="quantization")
 
     def _check_parallel_sizes(self) -> None:
         """Refuse TP/PP sizes the model cannot be split by, before any worker starts."""
@@ -228,6 +300,8 @@ class EngineConfig:
             kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
             if kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif kind is dict:
+                parser.add_argument(flag, type=json.loads, default=default, metavar="JSON")
             else:
                 parser.add_argument(flag, type=kind, default=default)
 

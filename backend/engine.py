@@ -21,6 +21,7 @@ from backend.executor import create_executor
 from backend.request import (EngineLoad, EngineOutput, FinishReason, ModelInfo, Request,
                              SamplingParams)
 from backend.scheduler import Scheduler
+from backend.spec_decode import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class LLMEngine:
         self.children: dict[str, list[str]] = {}  # parent request ID -> its sequences' IDs
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.speculative = config.speculative
+        self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        self.num_draft_tokens_total = 0  # speculative tokens proposed, and accepted
+        self.num_accepted_tokens_total = 0
         logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens", config.served_model_name,
                     config.torch_dtype_name, num_blocks, config.block_size)
 
@@ -129,31 +134,45 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        if self.proposer is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         runner_out = self.executor.execute_model(sched)
         outputs: list[EngineOutput] = []
         now = time.monotonic()
         for s in sched.scheduled:
             request = self.scheduler.requests[s.request_id]
-            request.num_computed_tokens += s.num_tokens
-            if request.num_computed_tokens <= request.num_prompt_tokens:
+            request.draft_token_ids = []
+            if request.num_computed_tokens + s.num_tokens <= request.num_prompt_tokens:
                 self.num_prompt_tokens_total += s.num_tokens
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             if s.request_id in runner_out.prompt_logprobs:
                 self._record_prompt_logprobs(request, *runner_out.prompt_logprobs[s.request_id])
             if not s.needs_sample:
+                request.num_computed_tokens += s.num_tokens
+                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
                 continue
-            token_id = runner_out.sampled_token_ids[s.request_id]
             first = request.num_output_tokens == 0
-            request.append_output_token(token_id)
-            self.num_generation_tokens_total += 1
+            new_tokens, reason = [], None
+            for token_id in runner_out.sampled_token_ids[s.request_id]:
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                reason = self._check_stop(request, token_id)
+                if reason is not None:
+                    break
+            # The KV cache now holds every scheduled token but the rejected drafts.
+            rejected = s.num_draft_tokens - (len(runner_out.sampled_token_ids[s.request_id]) - 1)
+            request.num_computed_tokens += s.num_tokens - rejected
+            self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
+                                                              request.num_tokens))
+            self.num_generation_tokens_total += len(new_tokens)
+            self.num_draft_tokens_total += s.num_draft_tokens
+            self.num_accepted_tokens_total += s.num_draft_tokens - rejected
             if first:
                 request.first_token_time = now
-            reason = self._check_stop(request, token_id)
             logprobs = runner_out.logprobs.get(s.request_id)
             outputs.append(EngineOutput(
-                request_id=request.parent_id, index=request.index, new_token_ids=[token_id],
-                new_logprobs=[logprobs] if logprobs is not None else None,
+                request_id=request.parent_id, index=request.index, new_token_ids=new_tokens,
+                new_logprobs=logprobs[:len(new_tokens)] if logprobs is not None else None,
                 finish_reason=reason, stop_reason=request.stop_reason,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -163,6 +182,21 @@ class LLMEngine:
                 self.scheduler.finish_request(request, reason)
                 self._forget_child(request)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding request n-gram drafts for this step (see backend/spec_decode.py)."""
+        spec = self.speculative
+        running = self.scheduler.running
+        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
+            return
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            params = request.sampling_params
+            room = self.config.max_model_len - request.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            request.draft_token_ids = self.proposer.propose(request.all_token_ids, room)
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, logprobs: list) -> None:
         """Append logprobs of prompt tokens first_pos.. (a recomputed chunk is already there)."""

@@ -93,9 +93,20 @@ class EngineMetrics:
         self._request_success = Counter(
             "tandem:request_success", "Finished sequences, by why they finished (stop, length, abort).",
             ["model_name", "finished_reason"], registry=self.registry)
+        self._prefix_cache_queries = Counter(
+            "tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model_name"],
+            registry=self.registry).labels(model_name)
+        self._prefix_cache_hits = Counter(
+            "tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
+            ["model_name"], registry=self.registry).labels(model_name)
 
     def observe_first_token(self, seconds: float) -> None:
         self._time_to_first_token.observe(seconds)
+
+    def observe_prefix_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """A request's prompt was scheduled: ``num_cached_tokens`` of it came from the cache."""
+        self._prefix_cache_queries.inc(num_prompt_tokens)
+        self._prefix_cache_hits.inc(num_cached_tokens)
 
     def observe_token_interval(self, seconds: float) -> None:
         self._time_per_output_token.observe(seconds)

@@ -18,19 +18,23 @@ from backend.config import EngineConfig
 from backend.distributed import get_parallel_state, pp_recv, pp_send
 from backend.models.attention import Attention, AttentionMetadata
 from backend.models.linear import LinearBase
+from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
 from backend.models.registry import get_model_class
 from backend.request import PositionLogprobs, SamplingParams
 from backend.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from backend.scheduler import ScheduledRequest, SchedulerOutput
+from backend.spec_decode import accept_drafts
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # request ID -> the tokens its sequence gains this step: one, or with speculative drafts the
+    # accepted drafts then the model's own next token (and their logprobs, when asked for)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request ID -> (first prompt position covered, logprobs of prompt tokens from there)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
@@ -41,7 +45,8 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
     logits_rows: list[int]  # rows of the hidden states that need logits
-    sample_rows: list[tuple[ScheduledRequest, int]]  # (request, index into logits_rows)
+    # (request, index into logits_rows, draft offset): a request with d drafts samples d + 1 rows
+    sample_rows: list[tuple[ScheduledRequest, int, int]]
     prompt_rows: list[tuple[ScheduledRequest, int, int, int]]  # (req, first index, count, first position)
 
 
@@ -66,6 +71,8 @@ class ModelRunner:
     # ---- set-up -----------------------------------------------------------------
 
     def load_model(self) -> None:
+        if self.device.type == "cpu":
+            kernels.cpu.available()  # build (once per machine) or load the fused CPU kernels now
         model_cls = get_model_class(self.config.hf_config)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -75,9 +82,11 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iter_weights(self.config.model_path))
+        method = linear_method_for(self.device, self.dtype, self.config.quantization)
         for module in model.modules():
             if isinstance(module, LinearBase):
-                module.linear_method.process_weights_after_loading(module)
+                module.linear_method = method
+                method.process_weights_after_loading(module)
         self.model = model.eval().requires_grad_(False)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
 
@@ -112,10 +121,10 @@ class ModelRunner:
             self.graphs.capture()
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Each layer's K and V cache: [num_blocks, block_size, kvh, head_dim]."""
+        """Each layer's K and V cache (layout: ``kernels.kv_cache_shape``)."""
         self.kv_caches = []
         for layer in self.attn_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = kernels.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
                   torch.zeros(shape, dtype=self.dtype, device=self.device))
             layer.kv_cache = kv
@@ -182,7 +191,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
-        sample_rows: list[tuple[ScheduledRequest, int]] = []
+        sample_rows: list[tuple[ScheduledRequest, int, int]] = []
         prompt_rows: list[tuple[ScheduledRequest, int, int, int]] = []
         for s in scheduled:
             row0 = len(input_ids)
@@ -203,9 +212,11 @@ class ModelRunner:
                 last = min(end, s.num_prompt_tokens - 1)
                 prompt_rows.append((s, len(logits_rows), last - start, start))
                 logits_rows.extend(range(row0, row0 + last - start))
-            if s.needs_sample:
-                sample_rows.append((s, len(logits_rows)))
-                logits_rows.append(row0 + n - 1)
+            if s.needs_sample:  # the last token's row, and each draft's
+                first = row0 + n - 1 - s.num_draft_tokens
+                for j in range(s.num_draft_tokens + 1):
+                    sample_rows.append((s, len(logits_rows), j))
+                    logits_rows.append(first + j)
 
         max_blocks = max(len(s.block_ids) for s in scheduled)
         block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids))
@@ -276,16 +287,30 @@ class ModelRunner:
                 logits[first:first + count], targets, s.sampling_params.prompt_logprobs))
 
         if inputs.sample_rows:
-            index = [i for _, i in inputs.sample_rows]
+            index = [i for _, i, _ in inputs.sample_rows]
             if index != list(range(len(inputs.logits_rows))):
                 logits = logits.index_select(0, torch.tensor(index, device=self.device))
             rows = [SamplingRow(params=s.sampling_params, prompt_token_ids=s.prompt_token_ids,
-                                output_token_ids=s.output_token_ids, eos_token_id=s.eos_token_id,
+                                output_token_ids=_history(s, j), eos_token_id=s.eos_token_id,
                                 generator=self._generator(s))
-                    for s, _ in inputs.sample_rows]
+                    for s, _, j in inputs.sample_rows]
             sampled = self.sampler(logits, rows)
-            for (s, _), token_id, logprobs in zip(inputs.sample_rows, sampled.token_ids, sampled.logprobs):
-                out.sampled_token_ids[s.request_id] = token_id
-                if logprobs is not None:
-                    out.logprobs[s.request_id] = logprobs
+            start = 0
+            while start < len(rows):  # one request's rows are consecutive
+                s = inputs.sample_rows[start][0]
+                end = start + s.num_draft_tokens + 1
+                tokens = sampled.token_ids[start:end]
+                if s.num_draft_tokens:
+                    tokens = accept_drafts(s.token_ids[-s.num_draft_tokens:], tokens)
+                out.sampled_token_ids[s.request_id] = tokens
+                if s.sampling_params.logprobs is not None:
+                    out.logprobs[s.request_id] = sampled.logprobs[start:start + len(tokens)]
+                start = end
         return out
+
+
+def _history(s: ScheduledRequest, draft_offset: int) -> list[int]:
+    """The output tokens before sample row ``draft_offset`` of a request (drafts before it count)."""
+    if not draft_offset:
+        return s.output_token_ids
+    return s.output_token_ids + s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:draft_offset]

@@ -177,6 +177,8 @@ class Request:
         self.stop_reason: Optional[int] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
         self.first_token_time: Optional[float] = None
+        # Speculative tokens proposed for the next step (not part of the sequence until accepted).
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

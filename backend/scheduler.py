@@ -23,7 +23,7 @@ class ScheduledRequest:
     """One request's share of a step, as the model runner needs it (read-only there)."""
 
     request_id: str
-    token_ids: list[int]  # the tokens to compute this step
+    token_ids: list[int]  # the tokens to compute this step; the last num_draft_tokens are drafts
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: list[int]  # the request's whole block table
     needs_sample: bool  # this step reaches the last known token: sample the next one
@@ -31,6 +31,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: Optional[int]
+    num_draft_tokens: int = 0  # speculative tokens to verify after the request's last token
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +111,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.draft_token_ids and num_new == request.num_tokens - request.num_computed_tokens:
+                # Decoding with drafts: verify as many as the budget allows, after the last token.
+                del request.draft_token_ids[budget - num_new:]
+                num_new += len(request.draft_token_ids)
+            else:
+                request.draft_token_ids.clear()
             while not self.block_manager.allocate_slots(request, num_new):
+                if request.draft_token_ids:  # speculation never costs another request its place
+                    num_new -= len(request.draft_token_ids)
+                    request.draft_token_ids.clear()
+                    continue
                 victim = self.running.pop()  # newest first; never one scheduled before i
                 self._preempt(victim)
                 num_preempted += 1
@@ -152,6 +163,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks; it goes back to the front of the queue."""
         self.block_manager.free(request)
+        request.draft_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -160,10 +172,11 @@ class Scheduler:
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        end = start + num_new
+        drafts = request.draft_token_ids
+        end = start + num_new - len(drafts)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + drafts,
             start_pos=start,
             block_ids=self.block_manager.block_ids(request.request_id),
             needs_sample=end == request.num_tokens,
@@ -171,4 +184,5 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
+            num_draft_tokens=len(drafts),
         )

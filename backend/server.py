@@ -37,6 +37,7 @@ from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
 from backend.errors import EngineDeadError, InvalidRequestError, TandemError
 from backend.metrics import EngineMetrics
+from backend.ports import check_port_free, port_error
 from backend.request import EngineOutput, FinishReason, Logprob, PositionLogprobs, SamplingParams
 from backend.tokenizer_files import tokenizer_file_names, tokenizer_fingerprint
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -48,6 +49,7 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 TOKENIZER_CHUNK_BYTES = 1024 * 1024  # the proto's per-chunk maximum
 ERROR_PARAM_METADATA_KEY = "tandem-error-param"
+DEFAULT_MAX_CONNECTION_AGE_S = 300.0
 ENGINE_HEALTH_POLL_S = 0.5
 
 _FINISH_REASON_TO_PROTO = {
@@ -165,6 +167,8 @@ class _GenerateCall:
             last = self.last_token_time[index]
             if last is None:
                 self.metrics.observe_first_token(now - self.arrival_time)
+                if index == 0:  # the prompt is looked up in the prefix cache once per request
+                    self.metrics.observe_prefix_cache(self.num_prompt_tokens, output.num_cached_tokens)
             else:
                 self.metrics.observe_token_interval((now - last) / len(output.new_token_ids))
             self.last_token_time[index] = now
@@ -348,11 +352,13 @@ class BackendServer:
     """
 
     def __init__(self, engine: AsyncLLMEngine, host: str = "0.0.0.0", port: int = 50051,
-                 metrics_port: Optional[int] = None) -> None:
+                 metrics_port: Optional[int] = None,
+                 max_connection_age: float = DEFAULT_MAX_CONNECTION_AGE_S) -> None:
         self.engine = engine
         self.host = host
         self.port = port  # the bound port once started (port 0 picks a free one)
         self.metrics_port = metrics_port
+        self.max_connection_age = max_connection_age
         self.metrics: Optional[EngineMetrics] = None
         self.servicer: Optional[EngineServicer] = None
         self.health = health.aio.HealthServicer()
@@ -363,19 +369,34 @@ class BackendServer:
         info = await self.engine.model_info()
         self.metrics = EngineMetrics(self.engine.engine, info.model_name)
         self.servicer = EngineServicer(self.engine, info.tokenizer_path, self.metrics)
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                          ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   # The port is ours alone: gRPC's default SO_REUSEPORT would let a second
+                   # server bind it silently and share the traffic.
+                   ("grpc.so_reuseport", 0)]
+        if self.max_connection_age > 0:
+            # Clients reconnect after this long (running streams finish first: the grace is
+            # unlimited), so a load balancer or DNS in front sends new connections to new replicas.
+            options.append(("grpc.max_connection_age_ms", int(self.max_connection_age * 1000)))
+        server = grpc.aio.server(options=options)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        try:
+            self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError:  # gRPC says only "Failed to bind"
+            raise port_error(self.host, self.port, "--port") from None
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):  # "" is the whole server
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http_server(self.host, self.metrics_port)
+            try:
+                self.metrics_port = self.metrics.start_http_server(self.host, self.metrics_port)
+            except OSError as error:
+                await self._server.stop(grace=None)
+                raise port_error(self.host, self.metrics_port, "--metrics-port", error) from None
         self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
 
     async def _watch_engine(self) -> None:
@@ -399,11 +420,14 @@ class BackendServer:
 
 
 async def serve(config: EngineConfig, host: str, port: int, metrics_port: Optional[int],
-                shutdown_timeout: float) -> None:
-    """Load the engine, serve until SIGTERM/SIGINT, then drain and stop."""
+                shutdown_timeout: float, max_connection_age: float = DEFAULT_MAX_CONNECTION_AGE_S) -> None:
+    """Check the ports, load the engine, serve until SIGTERM/SIGINT, then drain and stop."""
+    check_port_free(host, port, "--port")  # before the model loads, which takes a while
+    if metrics_port is not None:
+        check_port_free(host, metrics_port, "--metrics-port")
     engine = AsyncLLMEngine(config)
     try:
-        server = BackendServer(engine, host, port, metrics_port)
+        server = BackendServer(engine, host, port, metrics_port, max_connection_age)
         await server.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -426,11 +450,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8001, help="Prometheus /metrics port")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running streams get to finish after SIGTERM")
+    parser.add_argument("--max-connection-age", type=float, default=DEFAULT_MAX_CONNECTION_AGE_S,
+                        help="seconds before a client connection is asked to reconnect, so new replicas "
+                             "behind a balancer get traffic (running streams finish first; 0: never)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(EngineConfig.from_cli_args(args), args.host, args.port, args.metrics_port,
-                          args.shutdown_timeout))
+                          args.shutdown_timeout, args.max_connection_age))
     except TandemError as error:  # a bad flag or model: say what, without a traceback
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -67,7 +67,7 @@ def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     g = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    shape = R.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g, device=device, dtype=dtype)
     v_cache = torch.randn(shape, generator=g, device=device, dtype=dtype)
     tables = torch.randperm(num_blocks, generator=g, device=device).view(batch, blocks_per_seq)
@@ -129,7 +129,8 @@ def bench_elementwise(batches, shape: dict, dtype: torch.dtype, device: torch.de
                          2 * (q.numel() + k.numel()) * q.element_size(), bandwidth_gbs))
 
         num_blocks = -(-tokens // block_size) + 1
-        caches = [torch.zeros(num_blocks, block_size, kvh, d, device=device, dtype=dtype) for _ in range(4)]
+        caches = [torch.zeros(R.kv_cache_shape(num_blocks, block_size, kvh, d), device=device, dtype=dtype)
+                  for _ in range(4)]
         slots = torch.randperm(num_blocks * block_size, generator=g, device=device)[:tokens]
         key, value = rand(tokens, kvh, d), rand(tokens, kvh, d)
         cache_ops.write_kv_cache(key, value, caches[0], caches[1], slots)

@@ -19,7 +19,11 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 import time
+
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 SENTENCES = [
     "The history of the printing press begins in the fifteenth century in Europe.",

@@ -1,6 +1,7 @@
-"""The stateless OpenAI-compatible HTTP frontend of a Tandem backend (no torch).
+"""The stateless OpenAI-compatible HTTP frontend of Tandem backends (no torch).
 
-    python -m frontend.api_server --backend HOST:PORT [--host 127.0.0.1] [--port 8000]
+    python -m frontend.api_server --backend HOST:PORT[,HOST:PORT...|dns:///NAME:PORT]
+        [--routing prefix|round-robin|least-loaded] [--host 127.0.0.1] [--port 8000]
         [--tokenizer DIR] [--api-key KEY] [--served-model-name NAME]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
@@ -9,7 +10,8 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
 module assembles the app: routes, API-key check, the one mapping of errors to
 OpenAI error JSON, request IDs and HTTP metrics.
 
-On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
+Requests reach the backends through ``frontend.router.Router`` (one backend or
+many). On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
 the backend's (cached by fingerprint), and refuses to start when its
 fingerprint differs from the backend's: the two sides would disagree on what
 token IDs mean.
@@ -30,12 +32,13 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import Collector
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -44,9 +47,12 @@ from transformers import PreTrainedTokenizerFast
 
 from backend.config import EngineConfig
 from backend.errors import TandemError
+from backend.ports import check_port_free, port_error
 from backend.request import ModelInfo
 from frontend import protocol as P
+from frontend.cli import INSTANCE_ENV, INSTANCE_HEADER
 from frontend.engine_client import EngineClient
+from frontend.router import DEFAULT_PREFIX_TOKENS, POLICIES, Router, parse_targets
 from frontend.serving import (
     HTTP_STATUS_CLIENT_CLOSED_REQUEST,
     AuthenticationError,
@@ -198,13 +204,19 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
-               api_key: Optional[str] = None) -> FastAPI:
+               api_key: Optional[str] = None, collectors: Sequence[Collector] = ()) -> FastAPI:
     """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
 
-    ``/health`` asks ``engine_client.health()`` (``GrpcEngineClient`` has it).
+    ``/health`` asks ``engine_client.health()`` (``GrpcEngineClient`` and ``Router`` have it) and
+    carries this process's ``$TANDEM_INSTANCE_ID`` (when set) in ``X-Tandem-Instance``, so
+    ``tandem serve`` knows the answer came from its own frontend. ``collectors`` (e.g. the
+    router's) are served on ``/metrics`` with the HTTP metrics.
     """
     serving = OpenAIServing(engine_client, tokenizer, model_info)
     metrics = HttpMetrics()
+    for collector in collectors:
+        metrics.registry.register(collector)
+    instance_headers = {INSTANCE_HEADER: os.environ[INSTANCE_ENV]} if os.environ.get(INSTANCE_ENV) else {}
     app = FastAPI(title="Tandem", version=tandem_version(), docs_url=None, redoc_url=None, openapi_url=None)
     protected = [Depends(api_key_checker(api_key))]
 
@@ -235,7 +247,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
         except Exception:  # noqa: BLE001 -- any failure to answer means unhealthy
             healthy = False
         if healthy:
-            return Response(status_code=200)
+            return Response(status_code=200, headers=instance_headers)
         return error_json_response(503, error_body(503, "The backend is unavailable or not serving."))
 
     @app.get("/metrics")
@@ -303,20 +315,24 @@ async def fetch_backend_tokenizer(client, fingerprint: str, cache_dir: Path) -> 
 
 async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer: Optional[str] = None,
               api_key: Optional[str] = None, served_model_name: Optional[str] = None,
-              backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
-    """Connect to the backend at ``backend`` (HOST:PORT), check the tokenizer, serve HTTP until
-    SIGINT/SIGTERM. Raises ``StartupError`` (or another ``TandemError``) when it cannot start."""
+              backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info",
+              routing: str = "prefix", routing_prefix_tokens: int = DEFAULT_PREFIX_TOKENS) -> None:
+    """Connect to the backends of ``backend`` (``frontend.router.parse_targets``), check the
+    tokenizer, serve HTTP until SIGINT/SIGTERM. Raises ``StartupError`` (or another
+    ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start."""
     from frontend.grpc_client import GrpcEngineClient
 
-    client = GrpcEngineClient(backend)
+    check_port_free(host, port, "--port")
+    router = Router(parse_targets(backend), routing, routing_prefix_tokens, client_factory=GrpcEngineClient)
     try:
-        await wait_for_backend(client, backend, backend_timeout)
-        model_info = await client.model_info()
-        backend_fingerprint = await client.tokenizer_fingerprint()
+        await router.start()
+        await wait_for_backend(router, backend, backend_timeout)
+        model_info = await router.model_info()
+        backend_fingerprint = await router.tokenizer_fingerprint()
         if tokenizer:
             tokenizer_dir = Path(tokenizer)
         else:
-            tokenizer_dir = await fetch_backend_tokenizer(client, backend_fingerprint, EngineConfig().cache_dir)
+            tokenizer_dir = await fetch_backend_tokenizer(router, backend_fingerprint, EngineConfig().cache_dir)
         local_fingerprint = tokenizer_fingerprint(str(tokenizer_dir))
         if local_fingerprint != backend_fingerprint:
             raise StartupError(
@@ -326,22 +342,29 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
                 "from the backend.")
         if served_model_name:
             model_info.model_name = served_model_name
-        app = create_app(client, load_tokenizer(str(tokenizer_dir)), model_info, api_key)
+        app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()])
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
-        logger.info("Serving %s at http://%s:%d/v1 from the backend at %s.", model_info.model_name, host, port,
-                    backend)
+        logger.info("Serving %s at http://%s:%d/v1 from the backends at %s (routing: %s).", model_info.model_name,
+                    host, port, backend, routing)
         server = uvicorn.Server(config)
         await server.serve()
         if not server.started:
-            raise StartupError(f"Could not serve HTTP on {host}:{port}.")
+            raise port_error(host, port, "--port")
     finally:
-        await client.close()
+        await router.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend.api_server", description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", required=True, help="the backend's gRPC address, HOST:PORT")
+    parser.add_argument("--backend", required=True,
+                        help="the backends' gRPC addresses: HOST:PORT, comma-separated for several, or "
+                             "dns:///NAME:PORT for every address NAME resolves to (re-resolved as replicas change)")
+    parser.add_argument("--routing", default="prefix", choices=POLICIES,
+                        help="how a request picks its backend: prefix = the backend most likely to hold its "
+                             "prompt's first KV blocks, unless overloaded (default); round-robin; least-loaded")
+    parser.add_argument("--routing-prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
+                        help="prompt tokens hashed for prefix routing (default: %(default)s, four 16-token blocks)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--tokenizer", default=None,
@@ -373,7 +396,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(sig, _exit_cleanly)
     try:
         asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
-                        args.backend_timeout, args.shutdown_timeout, args.log_level))
+                        args.backend_timeout, args.shutdown_timeout, args.log_level, args.routing,
+                        args.routing_prefix_tokens))
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

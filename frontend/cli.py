@@ -5,6 +5,7 @@
     tandem backend [MODEL] ...        the gRPC backend alone (python -m backend.server)
     tandem frontend --backend H:P ... the HTTP frontend alone (python -m frontend.api_server)
     tandem generate [MODEL] --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
+    tandem healthcheck grpc HOST:PORT | http URL   exit 0 when healthy (container health checks)
 
 ``serve`` always runs the backend and the frontend as two processes joined by
 gRPC on loopback, so the split is exercised even on one machine. Engine flags
@@ -19,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,9 +31,13 @@ from typing import Optional
 
 from backend.config import EngineConfig
 from backend.errors import TandemError
+from backend.ports import PortInUseError, check_port_free
 from backend.request import SamplingParams
 
 POLL_INTERVAL_S = 0.2
+INSTANCE_ENV = "TANDEM_INSTANCE_ID"  # the frontend echoes it on /health, in INSTANCE_HEADER
+INSTANCE_HEADER = "X-Tandem-Instance"
+HEALTHCHECK_TIMEOUT_S = 5.0
 KILL_GRACE_S = 10.0  # after --shutdown-timeout, before SIGKILL
 
 
@@ -95,12 +101,14 @@ def _local_address(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, host)
 
 
-def _http_get(url: str, api_key: Optional[str]) -> Optional[bytes]:
-    """The body of a 200 answer, or None for anything else (not up yet, 503, ...)."""
+def _http_get(url: str, api_key: Optional[str], header: Optional[str] = None) -> Optional[bytes | str]:
+    """The body of a 200 answer (or its ``header``'s value), None for anything else (not up yet, 503, ...)."""
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
         with urllib.request.urlopen(request, timeout=2) as response:
-            return response.read() if response.status == 200 else None
+            if response.status != 200:
+                return None
+            return response.headers.get(header) if header else response.read()
     except (urllib.error.URLError, OSError):
         return None
 
@@ -112,6 +120,13 @@ def serve(args: argparse.Namespace) -> int:
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    try:  # every port serve opens, before the model loads
+        check_port_free(args.host, args.port, "--port")
+        check_port_free("127.0.0.1", args.grpc_port, "--grpc-port")
+        check_port_free("127.0.0.1", args.metrics_port, "--metrics-port")
+    except PortInUseError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     stop_requested: list[int] = []  # the signals received
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop_requested.append(signum))
@@ -122,7 +137,10 @@ def serve(args: argparse.Namespace) -> int:
     frontend_argv = [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{args.grpc_port}",
                      "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
                      "--backend-timeout", "0"]  # we watch the backend process ourselves
-    frontend_env = dict(os.environ)
+    # The frontend echoes this on /health: "serving" is announced only when our own frontend
+    # answers, never another server that happens to hold the port.
+    instance_id = secrets.token_hex(8)
+    frontend_env = {**os.environ, INSTANCE_ENV: instance_id}
     if args.api_key:
         frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
     # Both start at once: the frontend loads its libraries while the backend loads the model.
@@ -137,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
             failed = next((child for child in children if child.exit_code() is not None), None)
             if failed is not None:
                 break
-            if not ready and _http_get(base_url + "/health", None) is not None:
+            if not ready and _http_get(base_url + "/health", None, INSTANCE_HEADER) == instance_id:
                 models = _http_get(base_url + "/v1/models", args.api_key)
                 name = json.loads(models)["data"][0]["id"] if models else args.model
                 print(f"Tandem is serving {name} at http://{args.host}:{args.port}/v1", flush=True)
@@ -151,6 +169,33 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+# ---- tandem healthcheck -------------------------------------------------------------------------
+
+
+def healthcheck(args: argparse.Namespace) -> int:
+    """0 when the server answers healthy (a container health check: no probe binary needed)."""
+    if args.kind == "http":
+        healthy = _http_get(args.target, None) is not None
+    else:
+        import asyncio
+
+        from frontend.grpc_client import GrpcEngineClient
+
+        async def check() -> bool:
+            client = GrpcEngineClient(args.target)
+            try:
+                return await asyncio.wait_for(client.health(), HEALTHCHECK_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return False
+            finally:
+                await client.close()
+
+        healthy = asyncio.run(check())
+    if not healthy:
+        print(f"unhealthy: {args.target}", file=sys.stderr)
+    return 0 if healthy else 1
 
 
 # ---- tandem generate ---------------------------------------------------------------------------
@@ -201,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("backend", add_help=False, help="the gRPC backend alone (see `tandem backend --help`)")
     commands.add_parser("frontend", add_help=False, help="the HTTP frontend alone (see `tandem frontend --help`)")
+
+    check_parser = commands.add_parser("healthcheck", help="exit 0 if a backend (grpc.health.v1) or a "
+                                                           "frontend (/health) answers healthy")
+    check_parser.add_argument("kind", choices=("grpc", "http"))
+    check_parser.add_argument("target", help="grpc: HOST:PORT; http: the /health URL")
+    check_parser.set_defaults(handler=healthcheck)
 
     generate_parser = commands.add_parser("generate", help="generate text offline for one prompt")
     EngineConfig.add_cli_args(generate_parser)

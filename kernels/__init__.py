@@ -1,32 +1,49 @@
-"""Tandem's kernels: paged attention, KV-cache writes, norms, rotary.
+"""Tandem's kernels: paged attention, KV-cache writes, norms, rotary, activations.
 
 This is the one place that dispatches by device; models call these functions
-and nothing else. CUDA tensors go to the Triton kernels (``attention``,
-``cache_ops``, ``norms``, ``rotary``: imported on first use, so a CPU process
-never loads Triton); everything else to ``kernels.reference``, the plain-torch
-twin of every op that is also the test oracle.
+and nothing else:
 
-Contracts are the reference's; the Triton versions check shapes, strides and
-dtypes, and ``apply_rotary`` on CUDA rotates q and k in place.
+- CUDA tensors -> the Triton kernels (``attention``, ``cache_ops``, ``norms``,
+  ``rotary``: imported on first use, so a CPU process never loads Triton);
+- CPU tensors -> the fused C++ kernels (``kernels.cpu``, built once per
+  machine) when they are available;
+- otherwise -> ``kernels.reference``, the plain-torch twin of every op that is
+  also the test oracle.
+
+Contracts are the reference's; the fast versions check shapes, strides and
+dtypes. Some work in place (``fused_add_rms_norm``, ``apply_rotary``): callers
+always use the returned tensors.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import torch
 
-from kernels import reference
-from kernels.reference import AttentionPlan, VarlenPlan, plan_varlen, rotary_cos_sin  # noqa: F401
+from kernels import cpu, reference
+from kernels.reference import (AttentionPlan, VarlenPlan, kv_cache_shape, plan_varlen,  # noqa: F401
+                               rotary_cos_sin)
+
+_fused_cpu: list[bool] = []  # [cpu.available()], decided on first use
 
 
 def _triton(module: str):
     return importlib.import_module(f"kernels.{module}")  # sys.modules after the first call
 
 
+def _cpu_fast(x: torch.Tensor) -> bool:
+    if not _fused_cpu:
+        _fused_cpu.append(cpu.available())
+    return _fused_cpu[0] and x.is_cpu
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda:
         return _triton("norms").rms_norm(x, weight, eps)
+    if _cpu_fast(x):
+        return cpu.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -34,6 +51,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
         return _triton("norms").fused_add_rms_norm(x, residual, weight, eps)
+    if _cpu_fast(x):
+        return cpu.fused_add_rms_norm(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
@@ -42,28 +61,66 @@ def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     if query.is_cuda:
         return _triton("rotary").apply_rotary(positions, query, key, cos_sin_cache, head_dim, is_neox)
+    if _cpu_fast(query):
+        return cpu.apply_rotary(positions, query, key, cos_sin_cache, head_dim, is_neox)
     return reference.apply_rotary(positions, query, key, cos_sin_cache, head_dim, is_neox)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
+    if _cpu_fast(x):
+        return cpu.silu_and_mul(x)
+    return reference.silu_and_mul(x)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if key.is_cuda:
         return _triton("cache_ops").write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    if _cpu_fast(key):
+        return cpu.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     return reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int],
                    block_size: int) -> AttentionPlan | VarlenPlan:
-    """A step's attention metadata, shared by every layer: the Triton kernel's
-    ``VarlenPlan`` on CUDA, the reference's ``AttentionPlan`` elsewhere."""
-    if block_tables.is_cuda:
+    """A step's attention metadata, shared by every layer: tensors only (``VarlenPlan``) for
+    the Triton and fused CPU kernels, the reference's host-built ``AttentionPlan`` otherwise."""
+    if block_tables.is_cuda or _cpu_fast(block_tables):
         return plan_varlen(block_tables, seq_lens, query_lens)
     return reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
+
+
+def qkv_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: Optional[torch.Tensor],
+                  is_neox: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, plan: AttentionPlan | VarlenPlan, num_heads: int,
+                  num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """A layer's attention from its fused projection: qkv [num_tokens, (heads + 2 kv_heads) * d]
+    = q | k | v -> rotary on q, k (unless cos_sin_cache is None), K/V into the cache, attention
+    over it: [num_tokens, heads * d]. One fused call on the CPU; the ops below in a row elsewhere.
+    qkv may be modified in place."""
+    if _cpu_fast(qkv) and isinstance(plan, VarlenPlan):
+        return cpu.attention_block(qkv, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping,
+                                   plan, num_heads, num_kv_heads, head_dim, scale)
+    num_tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if cos_sin_cache is not None:
+        q, k = apply_rotary(positions, q, k, cos_sin_cache, head_dim, is_neox)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return paged_attention(q, k, v, k_cache, v_cache, plan, scale).view(num_tokens, q_size)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan | VarlenPlan,
                     scale: float) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim]; key/value: this step's, already in the caches."""
     if query.is_cuda:
         return _triton("attention").paged_attention(query, key, value, k_cache, v_cache, plan, scale)
+    if isinstance(plan, VarlenPlan) and _cpu_fast(query):
+        return cpu.paged_attention(query, k_cache, v_cache, plan.block_tables, plan.seq_lens,
+                                   plan.query_start_loc, scale)
     return reference.paged_attention(query, key, value, k_cache, v_cache, plan, scale)

@@ -13,11 +13,12 @@ import triton.language as tl
 
 def cache_geometry(cache: torch.Tensor) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
     """((num_blocks, block_size, num_kv_heads, head_dim), (block, row, head) strides) of a
-    cache[num_blocks, block_size, num_kv_heads, head_dim] (its head_dim stride must be 1)."""
+    cache laid out as ``kernels.kv_cache_shape`` says, [num_blocks, num_kv_heads, block_size,
+    head_dim] (its head_dim stride must be 1)."""
     if cache.dim() != 4 or cache.stride(-1) != 1:
         raise ValueError(f"a KV cache is 4-D with a contiguous head_dim; got {tuple(cache.shape)}")
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    return (num_blocks, block_size, num_kv_heads, head_dim), (cache.stride(0), cache.stride(1), cache.stride(2))
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    return (num_blocks, block_size, num_kv_heads, head_dim), (cache.stride(0), cache.stride(2), cache.stride(1))
 
 
 @triton.jit

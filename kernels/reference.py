@@ -1,14 +1,17 @@
 """Plain-torch twin of every kernel: the test oracle and the CPU path.
 
-KV-cache layout (one tensor per layer for K, one for V)::
+KV-cache layout (one tensor per layer for K, one for V), head-major inside a block::
 
-    cache[num_blocks, block_size, num_kv_heads, head_dim]
+    cache[num_blocks, num_kv_heads, block_size, head_dim]      (see kv_cache_shape)
     token p of a request -> block block_table[p // block_size], row p % block_size
-    slot = block_id * block_size + row   (cache.view(-1, num_kv_heads, head_dim)[slot])
+    slot = block_id * block_size + row   -> cache[block_id, :, row, :]
 
-A block is one contiguous run of memory, so gathering a batch's blocks is a
-single dim-0 ``index_select`` (the fastest gather on CPU), and SDPA reads the
-gathered [num_reqs, span, kvh, d] through a transposed view, without a copy.
+    block b:  | head 0: rows 0..bs-1 | head 1: rows 0..bs-1 | ...
+                 ^ one contiguous block_size * head_dim run per (block, KV head)
+
+so a kernel that walks one request's blocks for one KV head streams whole runs
+(the fused CPU kernel and the Triton kernel do). This file gathers a batch's
+blocks with one dim-0 ``index_select`` and lays them out for SDPA.
 
 Attention is "varlen with paged KV": request i owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]`` (its newest ``query_len`` tokens)
@@ -93,14 +96,28 @@ def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     return rotate(query), rotate(key)
 
 
+# ---- activations ---------------------------------------------------------------------
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 # ---- KV cache ---------------------------------------------------------------------
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+    """The shape of one layer's K (or V) cache: the one definition of the layout."""
+    return (num_blocks, num_kv_heads, block_size, head_dim)
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] -> the slots in slot_mapping [num_tokens]."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    block_size = k_cache.shape[2]
+    blocks, rows = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, rows] = key.to(k_cache.dtype)  # [num_tokens, kvh, head_dim] slices
+    v_cache[blocks, :, rows] = value.to(v_cache.dtype)
 
 
 # ---- attention --------------------------------------------------------------------
@@ -189,9 +206,11 @@ def _plan_from_varlen(plan: VarlenPlan, block_size: int) -> AttentionPlan:
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache[num_blocks, block_size, kvh, d], block_ids[..., nb] -> [..., kvh, nb * block_size, d] (a view)."""
-    gathered = cache.index_select(0, block_ids.reshape(-1))
-    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[-2:]).transpose(-3, -2)
+    """cache[num_blocks, kvh, block_size, d], block_ids[..., nb] -> [..., kvh, nb * block_size, d]."""
+    _, kvh, block_size, d = cache.shape
+    gathered = cache.index_select(0, block_ids.reshape(-1))  # [n * nb, kvh, block_size, d]
+    gathered = gathered.view(*block_ids.shape, kvh, block_size, d).transpose(-4, -3)
+    return gathered.reshape(*block_ids.shape[:-1], kvh, -1, d)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -201,9 +220,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     [num_tokens, num_kv_heads, head_dim], already written to the caches.
     Returns [num_tokens, num_heads, head_dim] in query's dtype."""
     if isinstance(plan, VarlenPlan):
-        plan = _plan_from_varlen(plan, k_cache.shape[1])
+        plan = _plan_from_varlen(plan, k_cache.shape[2])
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[-2]
+    num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
 

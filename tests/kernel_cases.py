@@ -15,7 +15,7 @@ class PagedBatch:
     query: torch.Tensor  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]: this step's, already in the caches
     value: torch.Tensor
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor  # kv_cache_shape: [num_blocks, num_kv_heads, block_size, head_dim]
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
@@ -24,7 +24,7 @@ class PagedBatch:
     full_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per request: all its K, V [seq_len, kvh, d]
 
     def plan(self) -> R.AttentionPlan:
-        return R.plan_attention(self.block_tables, self.seq_lens, self.query_lens, self.k_cache.shape[1])
+        return R.plan_attention(self.block_tables, self.seq_lens, self.query_lens, self.k_cache.shape[2])
 
     def varlen_plan(self, **overrides) -> R.VarlenPlan:
         plan = R.plan_varlen(self.block_tables, self.seq_lens, self.query_lens)
@@ -40,7 +40,7 @@ def make_paged_batch(shapes, num_heads, num_kv_heads, head_dim, block_size, dtyp
     as earlier steps would have, and this step's K/V too (kernels expect that)."""
     g = torch.Generator().manual_seed(seed)
     need = sum(math.ceil((c + n) / block_size) for c, n in shapes) + spare_blocks
-    k_cache = torch.zeros(need, block_size, num_kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.zeros(R.kv_cache_shape(need, block_size, num_kv_heads, head_dim), dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(need, generator=g).tolist()
     queries, keys, values, slots, tables, full_kv = [], [], [], [], [], []

@@ -222,6 +222,15 @@ def test_health_is_503_when_the_health_check_raises(client, engine):
     assert client.get("/health").status_code == 503
 
 
+def test_health_names_this_process_when_serve_asked_it_to(engine, tokenizer, monkeypatch):
+    """`tandem serve` sets $TANDEM_INSTANCE_ID and waits for it on /health: no other server can pass."""
+    monkeypatch.setenv("TANDEM_INSTANCE_ID", "abc123")
+    with make_client(engine, tokenizer) as test_client:
+        assert test_client.get("/health").headers["x-tandem-instance"] == "abc123"
+        engine.healthy = False
+        assert "x-tandem-instance" not in test_client.get("/health").headers  # not ready: no claim
+
+
 def test_request_id_is_echoed_or_generated(client):
     response = client.get("/v1/models", headers={"X-Request-Id": "my-id-42"})
     assert response.headers["x-request-id"] == "my-id-42"
@@ -699,6 +708,9 @@ class StartupFakeBackend:
 
     async def tokenizer_fingerprint(self) -> str:
         return tokenizer_fingerprint(str(self.files_dir))
+
+    async def get_load(self) -> EngineLoad:
+        return EngineLoad(0, 0, 0.0)
 
     async def fetch_tokenizer(self, dest_dir) -> Path:
         self.fetches += 1

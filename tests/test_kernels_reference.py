@@ -40,19 +40,20 @@ def test_paged_attention_mixed_batch_matches_dense(dtype, atol):
 
 
 def test_write_kv_cache_places_each_token_in_its_slot():
-    k_cache = torch.zeros(8, 4, 2, 3)  # [num_blocks, block_size, kvh, d]
+    k_cache = torch.zeros(8, 2, 4, 3)  # [num_blocks, kvh, block_size, d]
+    assert k_cache.shape == R.kv_cache_shape(8, 4, 2, 3)
     v_cache = torch.zeros_like(k_cache)
     key = torch.arange(5 * 2 * 3, dtype=torch.float32).view(5, 2, 3)
     slots = torch.tensor([0, 5, 6, 31, 12])
     R.write_kv_cache(key, -key, k_cache, v_cache, slots)
     for token, slot in enumerate(slots.tolist()):
         block, row = divmod(slot, 4)
-        torch.testing.assert_close(k_cache[block, row], key[token])
-        torch.testing.assert_close(v_cache[block, row], -key[token])
+        torch.testing.assert_close(k_cache[block, :, row], key[token])
+        torch.testing.assert_close(v_cache[block, :, row], -key[token])
     untouched = torch.ones(8 * 4, dtype=torch.bool)
     untouched[slots] = False
-    assert not k_cache.view(-1, 2, 3)[untouched].any()
-    assert not v_cache.view(-1, 2, 3)[untouched].any()
+    assert not k_cache.transpose(1, 2).reshape(-1, 2, 3)[untouched].any()
+    assert not v_cache.transpose(1, 2).reshape(-1, 2, 3)[untouched].any()
 
 
 def test_rms_norm_and_rotary_match_transformers():

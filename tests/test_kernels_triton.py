@@ -94,7 +94,7 @@ def test_write_kv_cache_from_strided_views(triton_kernels, dtype):
     key = qkv[:, 2 * d:(2 + kvh) * d].view(num_tokens, kvh, d)
     value = qkv[:, (2 + kvh) * d:].view(num_tokens, kvh, d)
     slots = torch.tensor([0, 5, 6, 31, 12, 13, 22])
-    caches = [torch.zeros(8, block_size, kvh, d, dtype=dtype) for _ in range(4)]
+    caches = [torch.zeros(R.kv_cache_shape(8, block_size, kvh, d), dtype=dtype) for _ in range(4)]
     R.write_kv_cache(key, value, caches[0], caches[1], slots)
     dev = [c.to(DEVICE) for c in caches[2:]]
     cache_ops.write_kv_cache(key.to(DEVICE), value.to(DEVICE), dev[0], dev[1], slots.to(DEVICE).int())

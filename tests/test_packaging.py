@@ -28,7 +28,7 @@ TORCH_LIKE = {"torch", "triton", "torchvision", "ray"}  # what a frontend image 
 # Run as `python -c BLOCK_TORCH ARGS...`: torch (and friends) cannot be imported in that process.
 BLOCK_TORCH = ("import sys; sys.modules.update(dict.fromkeys({names!r})); "
                "from {module} import main; sys.exit(main(sys.argv[1:]))")
-STARTUP_TIMEOUT_S = 90
+STARTUP_TIMEOUT_S = 240  # a loaded 2-core machine can take minutes to import torch
 
 
 def blocked_torch_command(module: str, *args: str) -> list[str]:

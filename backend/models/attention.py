@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 import kernels
+
+if TYPE_CHECKING:
+    from backend.models.layers import RotaryEmbedding
 
 
 @dataclass
@@ -29,29 +32,32 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Writes this step's K/V into the paged cache, then attends over the cache.
+    """A layer's attention from its fused q | k | v projection, over the paged cache.
 
-    The model runner binds ``kv_cache`` = (k_cache, v_cache), each
-    [num_blocks, block_size, num_kv_heads, head_dim] (see kernels/reference.py),
-    before the first step.
+    Applies the rotary embedding (if the model has one) to q and k, writes this
+    step's K/V into the cache, attends: one ``kernels.qkv_attention`` call, which on
+    the CPU is one fused kernel. The model runner binds ``kv_cache`` =
+    (k_cache, v_cache), each ``kernels.kv_cache_shape`` (see
+    kernels/reference.py), before the first step.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 rotary: Optional["RotaryEmbedding"] = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.rotary = rotary
         self.kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim]."""
-        num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+    def forward(self, qkv: torch.Tensor, meta: AttentionMetadata,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] (modified in place);
+        positions: [num_tokens], needed with a rotary embedding. -> [num_tokens, num_heads * head_dim]."""
         k_cache, v_cache = self.kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, k, v, k_cache, v_cache, meta.plan, self.scale)
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+        rotary = self.rotary
+        return kernels.qkv_attention(qkv, positions, rotary.cos_sin_cache if rotary else None,
+                                 rotary.is_neox if rotary else True, k_cache, v_cache,
+                                 meta.slot_mapping, meta.plan, self.num_heads, self.num_kv_heads,
+                                 self.head_dim, self.scale)

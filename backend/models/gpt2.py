@@ -39,8 +39,7 @@ class GPT2Attention(nn.Module):
         self.attn = Attention(self.c_attn.num_heads, self.c_attn.num_kv_heads, head_dim, scale)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads
-        return self.c_proj(self.attn(q, k, v, meta))
+        return self.c_proj(self.attn(self.c_attn(x), meta))  # qkv: this rank's q | k | v
 
 
 class GPT2MLP(nn.Module):

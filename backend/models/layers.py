@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -47,6 +46,8 @@ class RotaryEmbedding(nn.Module):
     linear, llama3, yarn, ...), so they equal the oracle's bit for bit.
     """
 
+    is_neox = True  # the Llama family rotates halves
+
     def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -76,7 +77,8 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
+        """Rotated (q, k); ``Attention`` applies the table itself, fused with the rest."""
+        return kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, self.is_neox)
 
 
 class PPMissingLayer(nn.Module):
@@ -92,8 +94,7 @@ class PPMissingLayer(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return kernels.silu_and_mul(x)
 
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)

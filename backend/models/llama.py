@@ -29,19 +29,16 @@ class LlamaAttention(nn.Module):
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or hidden // num_heads
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size  # this rank's
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden,
                                         bias=getattr(config, "attention_bias", False),
                                         input_shard=self.qkv_proj.q_shard)
-        self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+        rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
-                              head_dim ** -0.5)
+                              head_dim ** -0.5, rotary)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size] (this rank's heads)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(qkv, meta, positions))
 
 
 class LlamaMLP(nn.Module):

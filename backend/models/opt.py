@@ -37,8 +37,7 @@ class OPTAttention(nn.Module):
                               head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # this rank's heads
-        return self.out_proj(self.attn(q, k, v, meta))
+        return self.out_proj(self.attn(self.qkv_proj(x), meta))  # qkv: this rank's q | k | v
 
 
 class OPTDecoderLayer(nn.Module):

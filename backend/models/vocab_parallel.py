@@ -70,6 +70,7 @@ class ParallelLMHead(LinearBase):
     def tie_to(self, embedding: VocabParallelEmbedding) -> "ParallelLMHead":
         """Use the embedding's weight (tied word embeddings): one parameter, loaded once."""
         self.weight = embedding.weight
+        self.weight_is_shared = True  # a linear method must not free it
         return self
 
     def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,0 +1,47 @@
+# Tandem's images, one file for both (build arguments choose):
+#
+#   frontend  EXTRAS=""           the HTTP API, no torch, no CUDA: `tandem frontend ...`
+#   backend   EXTRAS="[backend]"  the engine, torch (CUDA from the base image): `tandem backend ...`
+#
+#   docker build -t tandem-frontend .
+#   docker build -t tandem-backend --build-arg EXTRAS="[backend]" \
+#       --build-arg BASE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime .
+#
+# Any BASE with python3 (3.10+) and its venv module works. The venv sees the base's own packages,
+# so a PyTorch base image's torch (CUDA and all) is used as it is, never installed again. Where no
+# registry is reachable, build from a base made locally (deploy/base-image.sh) and a wheelhouse
+# (deploy/wheelhouse.sh): --build-arg BASE=tandem-base:bookworm --build-arg PIP_ARGS=--no-index
+# --build-arg WHEELHOUSE=.wheelhouse/frontend (or .wheelhouse/backend).
+
+ARG BASE=python:3.11-slim-bookworm
+
+FROM ${BASE} AS build
+ARG EXTRAS=
+ARG WHEELHOUSE=deploy/no-wheels
+ARG PIP_ARGS=
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+COPY ${WHEELHOUSE} /wheels/
+# The dependencies first, from pyproject.toml alone (no packages yet), so source edits reuse this layer.
+COPY pyproject.toml /src/
+RUN python3 -m venv --system-site-packages /opt/tandem && touch /src/README.md \
+    && /opt/tandem/bin/pip install ${PIP_ARGS} --find-links /wheels "/src${EXTRAS}"
+COPY README.md /src/
+COPY frontend /src/frontend
+COPY backend /src/backend
+COPY kernels /src/kernels
+COPY protos /src/protos
+RUN /opt/tandem/bin/pip install ${PIP_ARGS} --find-links /wheels --no-deps --force-reinstall /src \
+    && if [ -z "${EXTRAS}" ]; then /opt/tandem/bin/python -c \
+        "import frontend.api_server, importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"; fi
+
+# Only the venv goes on: the wheelhouse and the sources stay in the build stage.
+FROM ${BASE}
+COPY --from=build /opt/tandem /opt/tandem
+RUN (useradd --system --create-home --uid 1000 tandem 2>/dev/null || useradd --system --create-home tandem) \
+    && mkdir -p /cache && chown tandem /cache
+USER tandem
+ENV PATH=/opt/tandem/bin:$PATH PYTHONUNBUFFERED=1 TANDEM_CACHE=/cache TRANSFORMERS_VERBOSITY=error
+# frontend: HTTP 8000; backend: gRPC 50051, metrics 8001
+EXPOSE 8000 50051 8001
+ENTRYPOINT ["tandem"]
+CMD ["--help"]

@@ -1,0 +1,72 @@
+"""How linear layers multiply on each device: the ``LinearMethod``s, and the choice of one.
+
+    LinearMethod (linear.py)  F.linear on the weight as loaded: CUDA, and any other device
+    OneDnnLinearMethod        CPU, fp32/bf16: the weight reordered once into oneDNN's blocked
+                              layout. Same math as F.linear, which on x86 CPUs goes to MKL: on AMD
+                              CPUs MKL is 1.6-3x slower at decode batch sizes (bench/ceiling.py)
+    Int8LinearMethod          CPU, ``quantization="int8"``: weight-only int8, one symmetric scale
+                              per output channel; activations stay fp32 (kernels/cpu.py's kernel),
+                              so the result is the matmul with the dequantized weight
+
+A method's ``process_weights_after_loading`` replaces the layer's loaded weight by its own form
+(the plain weight is then freed unless another module shares it, as a tied LM head does).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import kernels.cpu
+from backend.models.linear import LinearBase, LinearMethod
+
+QUANTIZATIONS = ("int8",)
+
+
+class OneDnnLinearMethod(LinearMethod):
+    # oneDNN picks its blocking for this batch size; measured best across batches 2..128 here.
+    BATCH_HINT = 32
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), self.BATCH_HINT)
+        release_weight(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+
+
+class Int8LinearMethod(LinearMethod):
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if not kernels.cpu.available():
+            raise RuntimeError(f"quantization='int8' needs the fused CPU kernels: "
+                               f"{kernels.cpu.unavailable_reason()}")
+        layer.int8_weight, layer.weight_scale = quantize_int8(layer.weight.detach().float())
+        release_weight(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return kernels.cpu.int8_linear(x, layer.int8_weight, layer.weight_scale, bias)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (int8 [N, K], scale [N] fp32): symmetric, per output channel,
+    round to nearest; weight ≈ int8 * scale[:, None]."""
+    scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
+    q = torch.round(weight / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.float().contiguous()
+
+
+def release_weight(layer: LinearBase) -> None:
+    """Free the loaded weight once the method holds its own form (a tied weight stays)."""
+    if not getattr(layer, "weight_is_shared", False):
+        layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
+
+def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Optional[str]) -> LinearMethod:
+    if quantization is not None:
+        if device.type != "cpu" or not kernels.cpu.available():
+            raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only")
+        return Int8LinearMethod()
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
+        return OneDnnLinearMethod()
+    return LinearMethod()

@@ -1,0 +1,162 @@
+"""This machine's limits, and what they allow a decode step of the model.
+
+Measures memory read bandwidth, and the time of the model's own weight matmuls
+(every layer's QKV, output, gate/up and down projections plus the LM head, i.e.
+all the FLOPs of a decode step except attention) at each batch size, with each
+matmul engine torch offers on this device:
+
+    F.linear      torch's default (MKL on x86 CPUs)
+    onednn        oneDNN with the weight prepacked once (what Tandem uses on CPU)
+    int8          weight-only int8, float activations: Tandem's --quantization int8 kernel
+    fbgemm-int8   int8 weights and activations quantized per step (fbgemm; for comparison)
+    F.linear bf16 only where the CPU computes bf16 natively
+
+The best unquantized engine's time is the decode step's ceiling at full
+precision, ``batch / time`` tokens/s (the int8 engine's is given apart: it
+changes the numbers). This ceiling divided by Tandem's own step time at the same
+batch is the "fraction of the ceiling" the performance targets speak of.
+
+    python bench/ceiling.py                    # default model, batches 1,8,32,64,128
+    python bench/ceiling.py --batch-sizes 1,32 --json ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+
+def best_time(fn, repeat: int, min_seconds: float = 0.2) -> float:
+    """Seconds per call: the best of ``repeat`` rounds (robust to a noisy machine)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds / repeat:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def read_bandwidth() -> float:
+    """GB/s of a 256 MB reduction (random data: untouched pages would read as zeros from cache)."""
+    x = torch.randn(64 * 2 ** 20)
+    return x.numel() * 4 / best_time(x.sum, 5, 1.0) / 1e9
+
+
+def matmul_peak() -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048 ** 3 / best_time(lambda: a @ b, 3, 1.0) / 1e9
+
+
+def model_shapes(hf_config) -> tuple[list[tuple[int, int]], int]:
+    """([(in, out)] of one decoder layer's weight matmuls, number of layers); the LM head apart."""
+    c = hf_config
+    hidden = c.hidden_size
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    inter = c.intermediate_size
+    layer = [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden),
+             (hidden, 2 * inter), (inter, hidden)]
+    return layer, c.num_hidden_layers
+
+
+def engines(dtype_bf16: bool):
+    """name -> (prepare(weight [out, in]) -> state, run(x, state))."""
+    out = {
+        "F.linear fp32": (lambda w: w, lambda x, w: F.linear(x, w)),
+        "onednn fp32": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32),
+                        lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
+    }
+    import kernels.cpu
+
+    if kernels.cpu.available():
+        from backend.models.linear_methods import quantize_int8
+
+        out["int8"] = (quantize_int8, lambda x, qs: kernels.cpu.int8_linear(x, qs[0], qs[1], None))
+    if torch.backends.quantized.supported_engines.count("fbgemm"):
+        torch.backends.quantized.engine = "fbgemm"
+
+        def pack_int8(w):
+            scale = w.abs().amax(1).clamp(min=1e-8) / 127
+            q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+            return torch.ops.quantized.linear_prepack(q, None)
+
+        out["fbgemm-int8"] = (pack_int8, lambda x, p: torch.ops.quantized.linear_dynamic(x, p, True))
+    if dtype_bf16:
+        out["F.linear bf16"] = (lambda w: w.bfloat16(), lambda x, w: F.linear(x.bfloat16(), w))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--batch-sizes", default="1,8,32,64,128")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    import warnings
+
+    from backend.config import EngineConfig, cpu_has_native_bf16
+
+    warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
+    config = EngineConfig(model=args.model).resolve()
+    layer, num_layers = model_shapes(config.hf_config)
+    vocab, hidden = config.hf_config.vocab_size, config.hf_config.hidden_size
+    params = num_layers * sum(i * o for i, o in layer) + vocab * hidden
+    print(f"{config.served_model_name}: {num_layers} layers, {params / 1e6:.1f} M matmul weights; "
+          f"{torch.get_num_threads()} threads")
+    bandwidth, peak = read_bandwidth(), matmul_peak()
+    print(f"memory read bandwidth {bandwidth:.1f} GB/s; fp32 matmul 2048^3 {peak:.0f} GFLOP/s")
+
+    results = {"bandwidth_gbs": bandwidth, "fp32_gflops": peak, "params": params, "steps": []}
+    torch.manual_seed(0)
+    # Every layer's own weights, as in the model: the step streams them all from memory (one
+    # layer's would stay in the CPU's cache and time far faster than a real step).
+    weights = [torch.randn(o, i) * i ** -0.5 for _ in range(num_layers) for i, o in layer]
+    weights.append(torch.randn(vocab, hidden) * 0.05)  # the LM head
+    names = list(engines(cpu_has_native_bf16()))
+    print(f"\nweight matmuls of one decode step, ms (best engine -> ceiling tok/s)")
+    print(f"{'batch':>5} " + " ".join(f"{n:>15}" for n in names) + f" {'ceiling tok/s':>14} {'int8':>6}")
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        row = {}
+        for name, (prepare, run) in engines(cpu_has_native_bf16()).items():
+            states = [prepare(w) for w in weights]
+            inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+
+            def step():
+                for w, state in zip(weights, states):
+                    run(inputs[w.shape[1]], state)
+
+            row[name] = best_time(step, 3, 1.0)
+            del states
+        best = min((n for n in row if "int8" not in n), key=row.get)
+        int8 = batch / row["int8"] if "int8" in row else float("nan")
+        results["steps"].append({"batch": batch, "ms": {k: v * 1e3 for k, v in row.items()}, "best": best,
+                                 "ceiling_tok_s": batch / row[best], "ceiling_int8_tok_s": int8})
+        print(f"{batch:>5} " + " ".join(f"{row[n] * 1e3:>15.1f}" for n in names)
+              + f" {batch / row[best]:>14.0f} {int8:>6.0f}")
+    floor = params * 4 / bandwidth / 1e9
+    print(f"\nbatch-1 bandwidth floor: fp32 weights {floor * 1e3:.1f} ms/step ({1 / floor:.0f} tok/s), "
+          f"int8 {floor / 4 * 1e3:.1f} ms ({4 / floor:.0f} tok/s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

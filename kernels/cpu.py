@@ -1,0 +1,160 @@
+"""The fused CPU kernels (``csrc/cpu_ops.cpp``): built once per machine, then loaded.
+
+The first call of ``available()`` compiles the source with the system's C++
+compiler against the installed torch (~30 s), into ``$TANDEM_KERNEL_CACHE``
+(default ``~/.cache/tandem/kernels``; like torch's extension cache it is per
+user, not per model cache) under a key of the source, torch's version, the
+compiler and this CPU's flags, so later processes just load it. Concurrent
+builders each write a temporary file and rename it into place. The engine calls
+it at start-up, so no request ever waits for a build.
+
+When no compiler is found or the build fails, a warning says why and every op
+falls back to ``kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0``
+turns the fused kernels off on purpose (for comparisons).
+
+The launchers below allocate outputs and return what the reference returns;
+the C++ side checks shapes, strides and dtypes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+          "-ffp-contract=off", "-w"]
+_state: dict = {}  # "ok": bool once decided, "error": why not
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _build_command(compiler: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    lib_dir = cpp_extension.library_paths()[0]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [compiler, *_FLAGS, abi, *includes, f"-I{sysconfig.get_paths()['include']}", str(SOURCE),
+            "-o", str(output), f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+
+
+def library_path(compiler: str) -> Path:
+    """Where the build for this source, torch, compiler and CPU lives."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, version, _cpu_flags(),
+                                    " ".join(_FLAGS)]).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
+    return base / f"tandem_cpu_ops-{key}.so"
+
+
+def _build(compiler: str) -> Path:
+    output = library_path(compiler)
+    if output.exists():
+        return output
+    output.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Building Tandem's CPU kernels (once per machine) into %s", output.parent)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        tmp_out = Path(tmp) / output.name
+        proc = subprocess.run(_build_command(compiler, tmp_out), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the compiler failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp_out, output)
+    logger.info("Built the CPU kernels in %.1f s", time.monotonic() - start)
+    return output
+
+
+def available() -> bool:
+    """True once the fused kernels are loaded (building them on first use)."""
+    if "ok" not in _state:
+        _state["ok"] = False
+        if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+            _state["error"] = "turned off by TANDEM_CPU_KERNELS=0"
+        elif (compiler := _compiler()) is None:
+            _state["error"] = "no C++ compiler (set CXX or install g++)"
+        else:
+            try:
+                torch.ops.load_library(str(_build(compiler)))
+                _state["ok"] = True
+            except (RuntimeError, OSError) as error:
+                _state["error"] = str(error)
+        if not _state["ok"]:
+            logger.warning("Fused CPU kernels unavailable (%s); using the plain-torch path.",
+                           _state["error"])
+    return _state["ok"]
+
+
+def unavailable_reason() -> Optional[str]:
+    return None if available() else _state.get("error")
+
+
+# ---- launchers (same contracts as kernels.reference) -------------------------------
+# Thin on purpose: at batch 1 a decode step makes ~300 of these calls.
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    return torch.ops.tandem_cpu.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                                query_start_loc, scale)
+
+
+def attention_block(qkv, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping, plan,
+                    num_heads, num_kv_heads, head_dim, scale) -> torch.Tensor:
+    """rotary (cos_sin_cache None: none) + KV write + attention on the fused qkv, in one call."""
+    return torch.ops.tandem_cpu.attention_block(
+        qkv, positions, cos_sin_cache, is_neox, k_cache, v_cache, slot_mapping, plan.block_tables,
+        plan.seq_lens, plan.query_start_loc, num_heads, num_kv_heads, head_dim, scale)
+
+
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    torch.ops.tandem_cpu.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.tandem_cpu.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """In place: returns (rms_norm(x + residual), x + residual) as (x, residual)."""
+    torch.ops.tandem_cpu.fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def apply_rotary(positions, query, key, cos_sin_cache, head_dim, is_neox=True):
+    """Rotates query and key in place and returns them."""
+    torch.ops.tandem_cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_dim, is_neox)
+    return query, key
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tandem_cpu.silu_and_mul(x)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32 @ (weight [N, K] int8 * scale [N])^T + bias -> [M, N] float32."""
+    return torch.ops.tandem_cpu.int8_linear(x, weight, scale, bias)

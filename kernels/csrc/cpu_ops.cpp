@@ -1,0 +1,659 @@
+// Tandem's CPU kernels: the fused twins of kernels/reference.py for CPU tensors.
+//
+// Built once per machine by kernels/cpu.py (g++ -O3 -march=native, cached) and
+// registered as torch.ops.tandem_cpu.*. Every op works on float, bfloat16 and
+// half tensors and accumulates in float. Parallel loops use ATen's thread pool
+// (at::parallel_for), so they share torch's OpenMP team: a second team on a
+// couple of cores slows both down.
+//
+// KV-cache layout (one tensor per layer for K, one for V), head-major inside a block:
+//     cache[num_blocks, num_kv_heads, block_size, head_dim]
+//     token p of a request -> block block_table[p / block_size], row p % block_size
+// so one (block, KV head) is one contiguous block_size * head_dim run that attention streams.
+//
+// Compiled with -ffp-contract=off: the elementwise ops round after each
+// multiply and add exactly as the torch reference does (no fused multiply-add),
+// so in fp32 rotary and norms give the reference's bits. Attention and SiLU use a
+// polynomial exp (~1 ulp) that vectorizes; neither is bit-equal to torch's.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+#define TANDEM_DISPATCH(dtype, NAME, ...)                                           \
+  [&] {                                                                             \
+    switch (dtype) {                                                                \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }            \
+      case at::kBFloat16: { using scalar_t = c10::BFloat16; return __VA_ARGS__(); } \
+      case at::kHalf: { using scalar_t = c10::Half; return __VA_ARGS__(); }         \
+      default: TORCH_CHECK(false, NAME, ": unsupported dtype ", dtype);             \
+    }                                                                               \
+  }()
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// ---- SIMD helpers ---------------------------------------------------------------------
+// GCC/Clang vector extensions: 8 floats, compiled to whatever the target has (AVX2, 2 x SSE,
+// NEON). Explicit, because the auto-vectorizer leaves the reductions below scalar.
+
+using vf = float __attribute__((vector_size(32)));
+using vi = int32_t __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+inline float hsum(vf v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// exp(x) to ~1 ulp for x in [-87, 88] (Cephes' single-precision polynomial), lane-wise.
+inline vf vexp(vf x) {
+  x = x < vsplat(88.0f) ? x : vsplat(88.0f);
+  x = x > vsplat(-87.0f) ? x : vsplat(-87.0f);
+  // n = round(x / ln 2) as floor(t + 0.5), computed by truncation of a positive shifted value
+  const vf t = x * vsplat(1.44269504088896341f) + vsplat(128.5f);
+  const vi n = __builtin_convertvector(t, vi) - 128;
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = (x - nf * vsplat(0.693359375f)) - nf * vsplat(-2.12194440e-4f);
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + vsplat(1.3981999507e-3f);
+  p = p * r + vsplat(8.3334519073e-3f);
+  p = p * r + vsplat(4.1665795894e-2f);
+  p = p * r + vsplat(1.6666665459e-1f);
+  p = p * r + vsplat(5.0000001201e-1f);
+  p = p * r * r + r + vsplat(1.0f);
+  vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float exp_scalar(float x) {
+  vf v = vexp(vsplat(x));
+  return v[0];
+}
+
+// dst[0:n] = src[0:n] as float.
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &word, sizeof word);
+  }
+}
+
+// A cached K or V row as floats: the cache itself for float, else converted into buf.
+template <typename T>
+inline const float* row_as_float(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    load_row(buf, row, n);
+    return buf;
+  }
+}
+
+// out[g * out_stride] = q[g] . k for N query heads at once (N independent accumulators).
+template <int N>
+inline void dots_tile(float* out, int64_t out_stride, const float* q, const float* k, int64_t d) {
+  vf acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = vsplat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    const vf kv = vload(k + i);
+    for (int j = 0; j < N; ++j) acc[j] += vload(q + j * d + i) * kv;
+  }
+  for (int j = 0; j < N; ++j) {
+    float s = hsum(acc[j]);
+    for (int64_t r = i; r < d; ++r) s += q[j * d + r] * k[r];
+    out[j * out_stride] = s;
+  }
+}
+
+// Scores of one key row against the `group` query heads q [group, d].
+inline void dots(float* out, int64_t out_stride, const float* q, const float* k, int64_t group, int64_t d) {
+  int64_t g = 0;
+  for (; g + 4 <= group; g += 4) dots_tile<4>(out + g * out_stride, out_stride, q + g * d, k, d);
+  switch (group - g) {
+    case 3: dots_tile<3>(out + g * out_stride, out_stride, q + g * d, k, d); break;
+    case 2: dots_tile<2>(out + g * out_stride, out_stride, q + g * d, k, d); break;
+    case 1: dots_tile<1>(out + g * out_stride, out_stride, q + g * d, k, d); break;
+    default: break;
+  }
+}
+
+// x[i] = exp(x[i] - shift); returns the sum.
+inline float exp_shifted_inplace(float* x, int64_t n, float shift) {
+  vf sum = vsplat(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf e = vexp(vload(x + i) - vsplat(shift));
+    vstore(x + i, e);
+    sum += e;
+  }
+  float s = hsum(sum);
+  for (; i < n; ++i) {
+    x[i] = exp_scalar(x[i] - shift);
+    s += x[i];
+  }
+  return s;
+}
+
+// ---- attention --------------------------------------------------------------------
+
+template <typename T>
+inline void prefetch_run(const T* run, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(run);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
+constexpr int64_t kMaxGroupTile = 8;  // query heads whose V accumulators live in registers
+
+// One work item: one query token and one KV head, i.e. the `group` query heads that share it.
+// Scores for keys 0..len-1 are computed row by row straight from the cache blocks (no gather),
+// softmaxed, then V is accumulated. The next block is prefetched while one is read.
+template <typename T>
+void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+                int64_t len, int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
+                int64_t num_kv_heads, float scale, std::vector<float>& scratch) {
+  const int64_t run = block_size * head_dim;  // one (block, KV head)
+  const int64_t block_stride = num_kv_heads * run;
+  scratch.resize(group * len + group * head_dim + block_size * head_dim + 2 * kLanes);
+  float* scores = scratch.data();                 // [group, len]
+  float* q = scores + group * len;                // [group, head_dim], pre-scaled
+  float* rows = q + group * head_dim;             // [block_size, head_dim]: a block as float
+  auto block_at = [&](const T* cache, int64_t b) { return cache + table[b] * block_stride + kvh * run; };
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+
+  for (int64_t g = 0; g < group; ++g) {
+    const T* src = query + (kvh * group + g) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_f(src[d]) * scale;
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + 1 < num_blocks) prefetch_run(block_at(k_cache, b + 1), run);
+    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+    const float* k = row_as_float(block_at(k_cache, b), rows, n * head_dim);
+    for (int64_t i = 0; i < n; ++i) dots(scores + t0 + i, len, q, k + i * head_dim, group, head_dim);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    const float inv_sum = 1.0f / exp_shifted_inplace(s, len, *std::max_element(s, s + len));
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv_sum;
+  }
+  // V: blocks outer; head_dim in chunks of kLanes with each tile of query heads' accumulators
+  // in registers, written out (in place of q, no longer needed) once all blocks are summed.
+  float* acc = q;
+  std::fill(acc, acc + group * head_dim, 0.0f);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + 1 < num_blocks) prefetch_run(block_at(v_cache, b + 1), run);
+    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+    const float* v = row_as_float(block_at(v_cache, b), rows, n * head_dim);
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupTile) {
+      const int64_t ng = std::min(kMaxGroupTile, group - g0);
+      int64_t c = 0;
+      for (; c + kLanes <= head_dim; c += kLanes) {
+        vf a[kMaxGroupTile];
+        for (int64_t j = 0; j < ng; ++j) a[j] = vload(acc + (g0 + j) * head_dim + c);
+        for (int64_t i = 0; i < n; ++i) {
+          const vf vv = vload(v + i * head_dim + c);
+          for (int64_t j = 0; j < ng; ++j) a[j] += vsplat(scores[(g0 + j) * len + t0 + i]) * vv;
+        }
+        for (int64_t j = 0; j < ng; ++j) vstore(acc + (g0 + j) * head_dim + c, a[j]);
+      }
+      for (; c < head_dim; ++c)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < ng; ++j)
+            acc[(g0 + j) * head_dim + c] += scores[(g0 + j) * len + t0 + i] * v[i * head_dim + c];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* dst = out + (kvh * group + g) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);
+  }
+}
+
+// out, query: [num_tokens, num_heads, head_dim] (rows may be strided, heads contiguous);
+// k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous;
+// block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (tokens in the cache
+// after this step); query_start_loc: [num_reqs + 1] int32. Request r's query rows are the
+// newest tokens of its sequence and attend causally to its cached tokens.
+Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& block_tables, const Tensor& seq_lens,
+                       const Tensor& query_start_loc, double scale) {
+  for (const Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &seq_lens, &query_start_loc})
+    check_cpu(*t, "paged_attention");
+  TORCH_CHECK(query.dim() == 3, "query: [num_tokens, heads, dim]");
+  Tensor out = at::empty(query.sizes(), query.options());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "caches: contiguous [blocks, kv_heads, block_size, dim]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and caches must share a dtype");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query: each token's heads must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+              seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+              seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "block_tables, seq_lens, query_start_loc: contiguous int32");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t num_reqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.size(0) >= num_reqs,
+              "one seq_len and one block table per request");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_reqs] == num_tokens, "query_start_loc must cover the tokens");
+  // token -> request, checked once (the work items below trust it).
+  std::vector<int32_t> req_of(num_tokens);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[r] && lens[r] <= max_blocks * block_size,
+                "request ", r, ": bad query length or seq_len");
+    for (int64_t i = qsl[r]; i < qsl[r + 1]; ++i) req_of[i] = static_cast<int32_t>(r);
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t r = 0; r < num_reqs; ++r)
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[r * max_blocks + b] >= 0 && tables[r * max_blocks + b] < num_blocks,
+                  "block table of request ", r, " holds an invalid block ID");
+  TANDEM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
+    at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t tok = item / num_kv_heads, kvh = item % num_kv_heads;
+        const int64_t r = req_of[tok];
+        const int64_t q_len = qsl[r + 1] - qsl[r];
+        const int64_t len = lens[r] - q_len + (tok - qsl[r]) + 1;  // keys this row sees
+        attend_one(o + tok * o_stride, q + tok * q_stride, kc, vc, tables + r * max_blocks, len,
+                   kvh, group, head_dim, block_size, num_kv_heads, static_cast<float>(scale), scratch);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- KV cache ---------------------------------------------------------------------
+
+// key, value: [num_tokens, num_kv_heads, head_dim] (rows may be strided); slot_mapping:
+// [num_tokens] int64, slot = block * block_size + row -> cache[block, :, row, :].
+void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tensor v_cache,
+                    const Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value: [num_tokens, kv_heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == key.size(1) &&
+              k_cache.size(3) == key.size(2), "caches: contiguous [blocks, kv_heads, block_size, dim]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key/value must have the caches' dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: each head's dims must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.size(0) == key.size(0), "slot_mapping: [num_tokens] int64");
+  const int64_t num_tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t block_size = k_cache.size(2), num_slots = k_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tokens; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
+  TANDEM_DISPATCH(key.scalar_type(), "write_kv_cache", [&] {
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const int64_t block = slots[i] / block_size, row = slots[i] % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = ((block * heads + h) * block_size + row) * dim;
+        std::copy_n(k + i * key.stride(0) + h * key.stride(1), dim, kc + dst);
+        std::copy_n(v + i * value.stride(0) + h * value.stride(1), dim, vc + dst);
+      }
+    }
+  });
+}
+
+// ---- norms ------------------------------------------------------------------------
+
+// HF's order: normalize in fp32, cast to the dtype, then scale by the weight (in the dtype).
+template <typename T>
+inline void rms_norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) {
+      const float v = to_f(x[i + j]);
+      lane[j] += v * v;
+    }
+  float ss = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k)
+    out[k] = static_cast<T>(to_f(weight[k]) * to_f(static_cast<T>(to_f(x[k]) * inv)));
+}
+
+void check_rows(const Tensor& t, const Tensor& weight, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.size(1) == weight.size(0), name,
+              ": [num_tokens, hidden] with contiguous rows, hidden = weight's size");
+  TORCH_CHECK(t.scalar_type() == weight.scalar_type() && weight.is_contiguous(), name,
+              ": weight must be contiguous, of the input's dtype");
+}
+
+// rms_norm(x) * weight; x: [num_tokens, hidden] -> a new [num_tokens, hidden].
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  Tensor out = at::empty(x.sizes(), x.options());
+  TANDEM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    const int64_t n = x.size(1);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        rms_norm_row(out.data_ptr<scalar_t>() + i * out.stride(0), x.data_ptr<scalar_t>() + i * x.stride(0),
+                     weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// In place: residual = x + residual; x = rms_norm(residual) * weight.
+void fused_add_rms_norm(Tensor x, Tensor residual, const Tensor& weight, double eps) {
+  check_rows(x, weight, "fused_add_rms_norm");
+  check_rows(residual, weight, "fused_add_rms_norm");
+  TORCH_CHECK(x.size(0) == residual.size(0), "fused_add_rms_norm: x and residual differ in rows");
+  TANDEM_DISPATCH(x.scalar_type(), "fused_add_rms_norm", [&] {
+    const int64_t n = x.size(1);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* xr = x.data_ptr<scalar_t>() + i * x.stride(0);
+        scalar_t* rr = residual.data_ptr<scalar_t>() + i * residual.stride(0);
+        for (int64_t k = 0; k < n; ++k) rr[k] = static_cast<scalar_t>(to_f(xr[k]) + to_f(rr[k]));
+        rms_norm_row(xr, rr, weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// ---- rotary embedding ---------------------------------------------------------------
+
+// In place on query [num_tokens, num_heads * head_dim] and key [num_tokens, num_kv_heads *
+// head_dim] (rows may be strided: views into the fused QKV output). cos_sin_cache:
+// [max_positions, rotary_dim] fp32 = cos | sin. NeoX pairs dim i with i + rotary_dim / 2,
+// GPT-J pairs 2i with 2i + 1.
+template <typename T>
+inline void rotate_head(T* x, const float* cos, const float* sin, int64_t half, bool is_neox) {
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = is_neox ? i : 2 * i, b = is_neox ? i + half : 2 * i + 1;
+    const float x1 = to_f(x[a]), x2 = to_f(x[b]);
+    const float c = cos[i], s = sin[i];
+    const float p = x1 * c, q = x2 * s, r = x2 * c, t = x1 * s;  // rounded apart, as the reference
+    x[a] = static_cast<T>(p - q);
+    x[b] = static_cast<T>(r + t);
+  }
+}
+
+void rotary_embedding(const Tensor& positions, Tensor query, Tensor key, const Tensor& cos_sin_cache,
+                      int64_t head_dim, bool is_neox) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+              cos_sin_cache.dim() == 2, "cos_sin_cache: contiguous fp32 [max_positions, rotary_dim]");
+  TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.stride(1) == 1 && key.stride(1) == 1 &&
+              query.size(0) == positions.size(0) && key.size(0) == positions.size(0) &&
+              query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0,
+              "query/key: [num_tokens, heads * head_dim] with contiguous rows");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
+  const int64_t rot = cos_sin_cache.size(1), half = rot / 2;
+  TORCH_CHECK(rot % 2 == 0 && rot <= head_dim, "rotary_dim must be even and <= head_dim");
+  const int64_t num_tokens = positions.size(0), max_pos = cos_sin_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tokens; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position ", pos[i], " is outside the rotary table");
+  const int64_t q_heads = query.size(1) / head_dim, k_heads = key.size(1) / head_dim;
+  TANDEM_DISPATCH(query.scalar_type(), "rotary_embedding", [&] {
+    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float* cos = cos_sin_cache.data_ptr<float>() + pos[i] * rot;
+        const float* sin = cos + half;
+        scalar_t* q = query.data_ptr<scalar_t>() + i * query.stride(0);
+        scalar_t* k = key.data_ptr<scalar_t>() + i * key.stride(0);
+        for (int64_t h = 0; h < q_heads; ++h) rotate_head(q + h * head_dim, cos, sin, half, is_neox);
+        for (int64_t h = 0; h < k_heads; ++h) rotate_head(k + h * head_dim, cos, sin, half, is_neox);
+      }
+    });
+  });
+}
+
+// ---- a layer's whole attention, one call ------------------------------------------------
+
+// qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] = q | k | v, the fused projection's
+// output (rows contiguous). In place: rotary on q and k (when cos_sin_cache is given), then k and
+// v written to the cache slots; returns attention over the cache, [num_tokens, num_heads * head_dim].
+// The same as rotary_embedding, write_kv_cache and paged_attention in a row, in one op call.
+Tensor attention_block(Tensor qkv, const Tensor& positions, const c10::optional<Tensor>& cos_sin_cache,
+                       bool is_neox, Tensor k_cache, Tensor v_cache, const Tensor& slot_mapping,
+                       const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+              qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "attention_block: qkv must be [num_tokens, (heads + 2 * kv_heads) * head_dim], rows contiguous");
+  const int64_t num_tokens = qkv.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size), v = qkv.narrow(1, q_size + kv_size, kv_size);
+  if (cos_sin_cache.has_value() && cos_sin_cache->defined())
+    rotary_embedding(positions, q, k, *cos_sin_cache, head_dim, is_neox);
+  write_kv_cache(k.view({num_tokens, num_kv_heads, head_dim}), v.view({num_tokens, num_kv_heads, head_dim}),
+                 k_cache, v_cache, slot_mapping);
+  return paged_attention(q.view({num_tokens, num_heads, head_dim}), k_cache, v_cache, block_tables, seq_lens,
+                         query_start_loc, scale)
+      .view({num_tokens, q_size});
+}
+
+// ---- activations ----------------------------------------------------------------------
+
+// x: [num_tokens, 2 * d] = gate | up -> out [num_tokens, d] = silu(gate) * up, silu rounded to
+// the dtype first (as F.silu(gate) * up).
+template <typename T>
+void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t d, float* buf) {
+  load_row(buf, gate, d);
+  int64_t k = 0;
+  for (; k + kLanes <= d; k += kLanes) {
+    const vf v = vload(buf + k);
+    vstore(buf + k, v / (vsplat(1.0f) + vexp(-v)));
+  }
+  for (; k < d; ++k) buf[k] = buf[k] / (1.0f + exp_scalar(-buf[k]));
+  for (k = 0; k < d; ++k) out[k] = static_cast<T>(to_f(static_cast<T>(buf[k])) * to_f(up[k]));
+}
+
+Tensor silu_and_mul(const Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
+              "silu_and_mul: x must be [num_tokens, 2 * d] with contiguous rows");
+  Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  TANDEM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    const int64_t d = out.size(1);
+    at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(d);
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* g = x.data_ptr<scalar_t>() + i * x.stride(0);
+        silu_and_mul_row(out.data_ptr<scalar_t>() + i * d, g, g + d, d, buf.data());
+      }
+    });
+  });
+  return out;
+}
+
+// ---- weight-only int8 linear -----------------------------------------------------------
+
+// 8 int8 weights as floats (exact).
+inline vf load_int8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  vf v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// out[m, n] for m in [m0, m0 + MT), n in [n0, n0 + NT): sum_k x[m, k] * w[n, k], times scale[n],
+// plus bias[n]. Each int8 weight vector is converted once and used for MT rows of x. The first
+// row tile prefetches the weight rows kPrefetchRows ahead (measured: +30% bandwidth at batch 1).
+constexpr int64_t kPrefetchRows = 4;
+
+inline vf load_weight(const int8_t* p) { return load_int8(p); }
+inline vf load_weight(const float* p) { return vload(p); }
+
+// W is the int8 weight itself, or (many rows of x) this tile's rows already converted to float.
+template <int NT, int MT, typename W>
+inline void int8_tile(float* out, int64_t out_stride, const float* x, int64_t x_stride, const W* w,
+                      const float* scale, const float* bias, int64_t n_size, int64_t k_size, int64_t n0,
+                      int64_t m0) {
+  if (std::is_same_v<W, int8_t> && m0 == 0)
+    for (int64_t j = 0; j < NT && n0 + j + kPrefetchRows < n_size; ++j)
+      prefetch_run(w + (n0 + j + kPrefetchRows) * k_size, k_size);
+  vf acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = vsplat(0.0f);
+  int64_t k = 0;
+  for (; k + kLanes <= k_size; k += kLanes) {
+    vf wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load_weight(w + (n0 + j) * k_size + k);
+    for (int i = 0; i < MT; ++i) {
+      const vf xv = vload(x + (m0 + i) * x_stride + k);
+      for (int j = 0; j < NT; ++j) acc[i][j] += wv[j] * xv;
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) {
+      float sum = hsum(acc[i][j]);
+      for (int64_t r = k; r < k_size; ++r)
+        sum += x[(m0 + i) * x_stride + r] * static_cast<float>(w[(n0 + j) * k_size + r]);
+      out[(m0 + i) * out_stride + n0 + j] = sum * scale[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+// Columns [n0, n0 + NT) for every row of x, three rows at a time. With more than a few rows the
+// tile's weight rows are converted to float once, into buf ([NT, k_size], in cache), rather than
+// once per three rows: the same products in the same order, so the same results.
+template <int NT>
+inline void int8_columns(float* out, const float* x, int64_t x_stride, const int8_t* w, const float* scale,
+                         const float* bias, int64_t m_size, int64_t n_size, int64_t k_size, int64_t n0,
+                         std::vector<float>& buf) {
+  auto rows = [&](auto* weights, int64_t n_first) {
+    int64_t m0 = 0;
+    for (; m0 + 3 <= m_size; m0 += 3)
+      int8_tile<NT, 3>(out, n_size, x, x_stride, weights, scale, bias, n_size, k_size, n_first, m0);
+    if (m_size - m0 == 2)
+      int8_tile<NT, 2>(out, n_size, x, x_stride, weights, scale, bias, n_size, k_size, n_first, m0);
+    else if (m_size - m0 == 1)
+      int8_tile<NT, 1>(out, n_size, x, x_stride, weights, scale, bias, n_size, k_size, n_first, m0);
+  };
+  if (m_size <= 6) {
+    rows(w, n0);
+    return;
+  }
+  buf.resize(NT * k_size);
+  for (int64_t i = 0; i < NT * k_size; ++i) buf[i] = static_cast<float>(w[n0 * k_size + i]);
+  // Index buf as rows n0.. of a matrix that starts n0 rows before it (out, scale, bias keep n).
+  rows(buf.data() - n0 * k_size, n0);
+}
+
+// out [M, N] = x [M, K] @ (weight [N, K] int8 * scale [N])^T + bias [N]: weight-only int8 with
+// float activations. Every output's sum runs over k in the same order whatever M is, so a
+// request's results do not depend on the batch it shares a step with.
+Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                   const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "int8_linear: x must be float32 [M, K] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+              weight.size(1) == x.size(1), "int8_linear: weight must be contiguous int8 [N, K]");
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = weight.size(0);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_size,
+              "int8_linear: scale must be float32 [N]");
+  Tensor out = at::empty({m_size, n_size}, x.options());
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
+                "int8_linear: bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  // Output columns per tile: 2 at batch 1 (more concurrent weight streams), else 4 (each
+  // converted weight vector serves more rows of x).
+  const int64_t tile = m_size == 1 ? 2 : 4;
+  at::parallel_for(0, (n_size + tile - 1) / tile, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile;
+      if (n0 + tile > n_size) {
+        for (int64_t n = n0; n < n_size; ++n)
+          int8_columns<1>(op, xp, x_stride, wp, sp, b, m_size, n_size, k_size, n, buf);
+      } else if (tile == 2) {
+        int8_columns<2>(op, xp, x_stride, wp, sp, b, m_size, n_size, k_size, n0, buf);
+      } else {
+        int8_columns<4>(op, xp, x_stride, wp, sp, b, m_size, n_size, k_size, n0, buf);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
+        "int head_dim, bool is_neox) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("attention_block(Tensor(a!) qkv, Tensor positions, Tensor? cos_sin_cache, bool is_neox, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("attention_block", &attention_block);
+  m.impl("int8_linear", &int8_linear);
+}

@@ -1,0 +1,218 @@
+"""The compose stack's checks (run by compose_smoke.sh, which builds the images first).
+
+    python tests/deploy/compose_smoke.py --compose "docker-compose -f compose.cpu.yaml -f X -p P" --port N
+
+Brings up 2 backends, 2 frontends and the load balancer, and asserts: every service healthy;
+a completion and a streamed chat through the load balancer succeed; both frontends and both
+backends served requests (their own /metrics, read inside each container); a long-prefix prompt
+sent 10 times lands on one backend, with prefix-cache hits there, while distinct prompts spread;
+stopping a frontend loses no later request; stopping a backend, requests succeed on the other
+within 10 s; `down` leaves nothing. Every wait is bounded; `down` runs whatever happens.
+Only 127.0.0.1 (the published port) and `docker exec` are used: no container address is dialled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+UP_TIMEOUT_S = 900  # compose waits for the backends' health before starting the frontends
+HEALTHY_TIMEOUT_S = 300
+BACKEND_FAILOVER_S = 10
+SCALE = 2
+
+
+def log(message: str) -> None:
+    print(f"[smoke {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Stack:
+    def __init__(self, compose: str, project: str, port: int) -> None:
+        self.compose = shlex.split(compose)
+        self.project = project
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def run_compose(self, *args: str, timeout: float) -> None:
+        subprocess.run([*self.compose, *args], check=True, timeout=timeout)
+
+    def containers(self, service: str, running_only: bool = True) -> list[str]:
+        """Container names of ``service``, in replica order."""
+        command = ["docker", "ps", "--format", "{{.Names}}", "--filter", f"label=com.docker.compose.project={self.project}",
+                   "--filter", f"label=com.docker.compose.service={service}"]
+        if not running_only:
+            command.insert(2, "-a")
+        return sorted(subprocess.run(command, check=True, capture_output=True, text=True).stdout.split())
+
+    def health(self, container: str) -> str:
+        result = subprocess.run(["docker", "inspect", "-f", "{{if .State.Health}}{{.State.Health.Status}}{{else}}"
+                                 "{{.State.Status}}{{end}}", container], capture_output=True, text=True)
+        return result.stdout.strip() or "gone"
+
+    def metrics(self, container: str, port: int) -> dict[tuple[str, tuple], float]:
+        """A container's own Prometheus metrics, fetched inside it from 127.0.0.1."""
+        code = (f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', "
+                "timeout=10).read().decode())")
+        text = subprocess.run(["docker", "exec", container, "python", "-c", code], check=True, capture_output=True,
+                              text=True, timeout=60).stdout
+        samples = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, value = line.rsplit(" ", 1)
+            name, _, labels = name_labels.partition("{")
+            pairs = tuple(sorted(tuple(p.split("=", 1)) for p in labels.rstrip("}").split(",") if "=" in p))
+            samples[(name, tuple((k, v.strip('"')) for k, v in pairs))] = float(value)
+        return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(value for (n, ls), value in samples.items()
+               if n == name and all(dict(ls).get(k) == v for k, v in labels.items()))
+
+
+def post(stack: Stack, path: str, body: dict, timeout: float = 60) -> str:
+    request = urllib.request.Request(stack.base_url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def complete(stack: Stack, prompt: str, max_tokens: int = 4) -> dict:
+    answer = json.loads(post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                        "temperature": 0}))
+    assert answer["usage"]["completion_tokens"] == max_tokens, answer
+    return answer
+
+
+def wait_until(what: str, timeout: float, check: Callable[[], bool], every: float = 2.0) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+    return time.monotonic() - start
+
+
+def scenario(stack: Stack) -> None:
+    log(f"up: {SCALE} backends, {SCALE} frontends, the load balancer")
+    stack.run_compose("up", "-d", "--scale", f"frontend={SCALE}", "--scale", f"backend={SCALE}", timeout=UP_TIMEOUT_S)
+    services = {"backend": SCALE, "frontend": SCALE, "lb": 1}
+
+    def all_healthy() -> bool:
+        states = {s: [stack.health(c) for c in stack.containers(s)] for s in services}
+        return all(len(states[s]) == n and set(states[s]) == {"healthy"} for s, n in services.items())
+
+    took = wait_until("every service to be healthy", HEALTHY_TIMEOUT_S, all_healthy)
+    backends, frontends = stack.containers("backend"), stack.containers("frontend")
+    log(f"healthy ({took:.0f} s after up): {', '.join(backends + frontends + stack.containers('lb'))}")
+
+    # A completion and a streamed chat through the load balancer.
+    complete(stack, "The capital of France is")
+    stream = post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}],
+                                                  "max_tokens": 6, "stream": True})
+    events = [line[6:] for line in stream.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3, stream
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    log(f"completion and streamed chat ({len(events) - 1} chunks) through the load balancer: ok")
+
+    # Distinct prompts spread over both backends and both frontends.
+    for i in range(24):
+        complete(stack, f"Request {i}: once upon a time, number {i * 7919 % 1000}")
+    per_backend = {b: total(stack.metrics(b, 8001), "tandem:request_success_total") for b in backends}
+    per_frontend = {f: total(stack.metrics(f, 8000), "tandem:http_requests_total", route="/v1/completions")
+                    for f in frontends}
+    log(f"requests served, by backend: {per_backend}; by frontend: {per_frontend}")
+    assert all(v > 0 for v in per_backend.values()), "a backend served no request"
+    assert all(v > 0 for v in per_frontend.values()), "a frontend served no request"
+
+    # The same long-prefix prompt, 10 times: one backend, and its prefix cache hits.
+    before = {b: stack.metrics(b, 8001) for b in backends}
+    long_prompt = "Tandem serves language models with a paged KV cache and continuous batching. " * 8
+    for i in range(10):
+        complete(stack, long_prompt + f"Question {i}?")
+    after = {b: stack.metrics(b, 8001) for b in backends}
+    served = {b: total(after[b], "tandem:request_success_total") - total(before[b], "tandem:request_success_total")
+              for b in backends}
+    hits = {b: total(after[b], "tandem:prefix_cache_hits_total") - total(before[b], "tandem:prefix_cache_hits_total")
+            for b in backends}
+    queries = {b: total(after[b], "tandem:prefix_cache_queries_total")
+               - total(before[b], "tandem:prefix_cache_queries_total") for b in backends}
+    log(f"long-prefix prompt x10: requests by backend {served}, prefix-cache hit tokens {hits} of {queries}")
+    owner = max(served, key=served.get)
+    assert served[owner] == 10 and sum(served.values()) == 10, "the long-prefix prompt went to several backends"
+    assert hits[owner] >= 9 * 64, "its backend found no prefix in its cache"
+
+    # Stop a frontend: no later request is lost.
+    log(f"stopping frontend {frontends[0]}")
+    subprocess.run(["docker", "stop", frontends[0]], check=True, capture_output=True, timeout=120)
+    for i in range(10):
+        complete(stack, f"After the frontend stopped, request {i}")
+    log("10 requests after the frontend stopped: all ok")
+
+    # Stop a backend while requests keep coming: they succeed on the other within 10 s.
+    results: list[tuple[float, bool]] = []
+    stopping = threading.Thread(target=subprocess.run, args=(["docker", "stop", backends[0]],),
+                                kwargs={"capture_output": True, "timeout": 120})
+    start = time.monotonic()
+    log(f"stopping backend {backends[0]} under traffic")
+    stopping.start()
+    while time.monotonic() - start < BACKEND_FAILOVER_S + 10:
+        sent = time.monotonic() - start
+        try:
+            complete(stack, f"During the backend stop, request {len(results)}", max_tokens=2)
+            results.append((sent, True))
+        except (urllib.error.URLError, AssertionError, OSError) as error:
+            log(f"  request at +{sent:.1f} s failed: {error}")
+            results.append((sent, False))
+        time.sleep(0.2)
+    stopping.join(120)
+    failed = [t for t, ok in results if not ok]
+    log(f"during and after the backend stop: {len(results)} requests, {len(failed)} failed "
+        f"(at {', '.join(f'+{t:.1f} s' for t in failed) or '-'})")
+    assert all(ok for t, ok in results if t >= BACKEND_FAILOVER_S), "requests failed 10 s after the backend stopped"
+    remaining = stack.containers("backend")
+    assert remaining == backends[1:], remaining
+    assert total(stack.metrics(remaining[0], 8001), "tandem:request_success_total") > per_backend[remaining[0]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--compose", required=True, help="the compose command, with its -f and -p options")
+    parser.add_argument("--project", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    stack = Stack(args.compose, args.project, args.port)
+    failure = None
+    try:
+        scenario(stack)
+    except Exception as error:  # noqa: BLE001 -- report, then still take the stack down
+        failure = error
+        log(f"FAILED: {error!r}")
+        for service in ("backend", "frontend", "lb"):
+            for container in stack.containers(service, running_only=False):
+                logs = subprocess.run(["docker", "logs", "--tail", "30", container], capture_output=True, text=True)
+                print(f"---- {container} ({stack.health(container)}) ----\n{logs.stdout}{logs.stderr}", flush=True)
+    finally:
+        log("down")
+        stack.run_compose("down", "-v", "--remove-orphans", "-t", "40", timeout=300)
+    left = [c for s in ("backend", "frontend", "lb") for c in stack.containers(s, running_only=False)]
+    if left:
+        log(f"FAILED: containers left after down: {left}")
+        return 1
+    log("down left no container")
+    if failure is not None:
+        return 1
+    log("all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

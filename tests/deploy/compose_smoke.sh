@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The deployment smoke test: the CPU compose stack (compose.cpu.yaml), built air-gapped and run with
+# 2 backends, 2 frontends and the load balancer. CI runs it from .ci/run.
+#
+#   tests/deploy/compose_smoke.sh
+#
+# 1. Starts dockerd if no Docker engine answers (docker.io and docker-compose must be installed).
+# 2. Builds a base image locally (deploy/base-image.sh: debootstrap + docker import), the load
+#    balancer's image from it (Debian's nginx), a wheelhouse (deploy/wheelhouse.sh), and both
+#    Tandem images from the base and the wheelhouse with `pip install --no-index`.
+# 3. Runs tests/deploy/compose_smoke.py on a tiny random-weight model: health, traffic through the
+#    load balancer, routing, failover, `down` (see that file), then prints the image sizes.
+#
+# Run it from the test venv (it makes the tiny model with transformers). What can be cached is, in
+# $TANDEM_SMOKE_CACHE (default ~/.cache/tandem-smoke): the base's root file system and the
+# wheelhouse; Docker keeps the image layers. Every wait is bounded; the stack is taken down on exit.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+cache=${TANDEM_SMOKE_CACHE:-$HOME/.cache/tandem-smoke}
+base_image=tandem-base:bookworm
+lb_image=tandem-lb:bookworm
+project=tandem-smoke-$$
+work=$(mktemp -d)
+started=$SECONDS
+mkdir -p "$cache"
+say() { echo "[smoke $(date +%H:%M:%S)] $*"; }
+
+# ---- the Docker engine and compose ----
+if ! docker info >/dev/null 2>&1; then
+    command -v dockerd >/dev/null || { echo "error: no Docker engine (apt-get install docker.io docker-compose)" >&2; exit 1; }
+    say "starting dockerd"
+    nohup dockerd >"$cache/dockerd.log" 2>&1 &
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+    docker info >/dev/null 2>&1 || { tail -20 "$cache/dockerd.log" >&2; echo "error: dockerd did not start in 60 s" >&2; exit 1; }
+fi
+if docker compose version >/dev/null 2>&1; then compose=(docker compose); else compose=(docker-compose); fi
+say "engine $(docker version -f '{{.Server.Version}}'), compose: ${compose[*]} ($("${compose[@]}" version --short))"
+
+cleanup() {
+    "${compose[@]}" -f compose.cpu.yaml -f "$work/smoke.yaml" -p "$project" down -v --remove-orphans -t 5 \
+        >/dev/null 2>&1 || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+# ---- both compose files are valid ----
+TANDEM_PORT=8000 "${compose[@]}" -f compose.yaml config -q
+TANDEM_PORT=8000 "${compose[@]}" -f compose.cpu.yaml config -q
+say "compose.yaml and compose.cpu.yaml: valid"
+
+# ---- the base and the load balancer's image, built here ----
+TANDEM_BASE_CACHE=$cache deploy/base-image.sh "$base_image"
+nice -n 19 docker build -q --network host -f deploy/lb.Dockerfile --build-arg BASE="$base_image" -t "$lb_image" \
+    deploy >/dev/null
+say "load balancer image $lb_image: built"
+
+# ---- the wheelhouse (cached), inside the build context ----
+deploy/wheelhouse.sh "$cache/wheelhouse"
+rm -rf .wheelhouse
+cp -al "$cache/wheelhouse" .wheelhouse 2>/dev/null || cp -a "$cache/wheelhouse" .wheelhouse
+
+# ---- a tiny model for the backends ----
+mkdir -p "$work/model" && chmod 755 "$work" "$work/model"
+python -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from conftest import make_tiny_checkpoint; \
+make_tiny_checkpoint(Path(sys.argv[1]), 'llama')" "$work/model" 2>/dev/null
+chmod -R a+rX "$work/model"
+
+export TANDEM_FRONTEND_BASE=$base_image TANDEM_BACKEND_BASE=$base_image TANDEM_LB_IMAGE=$lb_image
+export TANDEM_FRONTEND_WHEELHOUSE=.wheelhouse/frontend TANDEM_BACKEND_WHEELHOUSE=.wheelhouse/backend
+export TANDEM_PIP_ARGS=--no-index
+export TANDEM_FRONTEND_IMAGE=tandem-frontend:smoke TANDEM_BACKEND_IMAGE=tandem-backend-cpu:smoke
+export TANDEM_MODEL=/models/tiny
+export TANDEM_BACKEND_ARGS="--dtype float32 --num-kv-blocks 512 --max-model-len 512"
+TANDEM_PORT=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+export TANDEM_PORT
+cat >"$work/smoke.yaml" <<EOF
+services:
+  backend:
+    volumes:
+      - $work/model:/models/tiny:ro
+EOF
+
+# ---- both images, air-gapped: the local base, the wheelhouse, pip --no-index ----
+say "building the images"
+build_started=$SECONDS
+nice -n 19 "${compose[@]}" -f compose.cpu.yaml -f "$work/smoke.yaml" -p "$project" build -q backend frontend
+say "images built in $((SECONDS - build_started)) s"
+if docker run --rm --entrypoint python "$TANDEM_FRONTEND_IMAGE" -c "import torch" >/dev/null 2>&1; then
+    echo "error: the frontend image has torch" >&2
+    exit 1
+fi
+say "the frontend image has no torch"
+
+# ---- the stack ----
+python tests/deploy/compose_smoke.py --compose "${compose[*]} -f compose.cpu.yaml -f $work/smoke.yaml -p $project" \
+    --project "$project" --port "$TANDEM_PORT"
+
+say "image sizes:"
+for image in "$TANDEM_FRONTEND_IMAGE" "$TANDEM_BACKEND_IMAGE" "$lb_image" "$base_image"; do
+    docker image inspect -f '{{.Size}}' "$image" | awk -v name="$image" '{printf "  %-28s %5.0f MB\n", name, $1 / 1e6}'
+done
+say "passed in $((SECONDS - started)) s"

@@ -1,0 +1,159 @@
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against their plain-torch twins.
+
+Mixed batches: decodes and prefill chunks with cached prefixes, block
+boundaries crossed, GQA. fp32 must agree to float rounding (rotary and norms
+bit for bit), bf16 within bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.cpu as cpu
+from kernels import reference
+
+cpu.available()  # build or load the kernels (the launchers below assume they are loaded)
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def test_kernels_are_built():
+    """Every machine with a C++ compiler (CI's too) runs the fused kernels: no silent fallback."""
+    assert cpu.available(), cpu.unavailable_reason()
+
+
+def _batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    shape = reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    # Block IDs shuffled so requests' blocks are not adjacent.
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, next_block = [], 0
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[next_block:next_block + n])
+        next_block += n
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, block_tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads):
+    # decode, decode across a block boundary, a prefill from nothing, a chunk after a prefix hit
+    query_lens = [1, 1, 7, 5, 1]
+    seq_lens = [9, 17, 7, 21, 33]
+    head_dim, block_size = 16, 8
+    query, k_cache, v_cache, block_tables = _batch(query_lens, seq_lens, num_heads, num_kv_heads,
+                                                   head_dim, block_size, dtype)
+    # The reference reads this step's K/V of a fresh prefill from key/value: give it the cache's.
+    key = torch.empty(query.shape[0], num_kv_heads, head_dim, dtype=dtype)
+    value = torch.empty_like(key)
+    row = 0
+    for q_len, s, table in zip(query_lens, seq_lens, block_tables.tolist()):
+        for p in range(s - q_len, s):
+            key[row] = k_cache[table[p // block_size], :, p % block_size]
+            value[row] = v_cache[table[p // block_size], :, p % block_size]
+            row += 1
+    scale = head_dim ** -0.5
+    plan = reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
+    expected = reference.paged_attention(query, key, value, k_cache, v_cache, plan, scale)
+    starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    got = cpu.paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32),
+                              torch.tensor(seq_lens, dtype=torch.int32), starts, scale)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+
+
+def test_paged_attention_reads_strided_query_rows():
+    """q as a view into a fused QKV output (rows strided) gives the same result."""
+    query, k_cache, v_cache, tables = _batch([1, 1], [5, 12], 4, 2, 8, 4, torch.float32)
+    wide = torch.cat([query.view(2, -1), torch.zeros(2, 16)], dim=1)
+    strided = wide[:, :32].view(2, 4, 8)
+    args = (k_cache, v_cache, tables.to(torch.int32), torch.tensor([5, 12], dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32), 0.3)
+    torch.testing.assert_close(cpu.paged_attention(strided, *args), cpu.paged_attention(query, *args))
+
+
+def test_paged_attention_rejects_bad_metadata():
+    query, k_cache, v_cache, tables = _batch([1], [5], 2, 2, 8, 4, torch.float32)
+    with pytest.raises(RuntimeError, match="seq_len"):  # more tokens than the table holds
+        cpu.paged_attention(query, k_cache, v_cache, tables.to(torch.int32),
+                            torch.tensor([99], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu.paged_attention(query, k_cache, v_cache, tables, torch.tensor([5]),
+                            torch.tensor([0, 1]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(6, 3 * 2 * 8, generator=gen).to(dtype)
+    key = qkv[:, 16:32].view(6, 2, 8)  # strided views, as the models pass them
+    value = qkv[:, 32:].view(6, 2, 8)
+    slots = torch.tensor([3, 4, 9, 17, 0, 22])
+    caches = [torch.zeros(reference.kv_cache_shape(6, 4, 2, 8), dtype=dtype) for _ in range(4)]
+    reference.write_kv_cache(key, value, caches[0], caches[1], slots)
+    cpu.write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.write_kv_cache(key, value, caches[2], caches[3], torch.tensor([0, 1, 2, 3, 4, 96]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_match_reference(dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 72, generator=gen).to(dtype)
+    residual = torch.randn(37, 72, generator=gen).to(dtype)
+    weight = torch.rand(72, generator=gen).to(dtype)
+    exact = dict(atol=0, rtol=0) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6),
+                               **(TOL[dtype] if dtype != torch.float32 else dict(atol=1e-6, rtol=1e-6)))
+    want_x, want_res = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    got_x, got_res = cpu.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    torch.testing.assert_close(got_res, want_res, **exact)  # the add rounds identically
+    torch.testing.assert_close(got_x, want_x, **(TOL[dtype] if dtype != torch.float32
+                                                 else dict(atol=1e-6, rtol=1e-6)))
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_rotary_matches_reference_bit_for_bit(rotary_dim):
+    gen = torch.Generator().manual_seed(3)
+    head_dim = 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    cache = reference.rotary_cos_sin(inv_freq, 64)
+    qkv = torch.randn(5, (3 + 1 + 1) * head_dim, generator=gen)
+    query, key = qkv[:, :3 * head_dim], qkv[:, 3 * head_dim:4 * head_dim]
+    positions = torch.tensor([0, 1, 7, 30, 63])
+    want_q, want_k = reference.apply_rotary(positions, query, key, cache, head_dim)
+    got_q, got_k = cpu.apply_rotary(positions, query.clone(), key.clone(), cache, head_dim)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_silu_and_mul_matches_reference():
+    from backend.models.layers import silu_and_mul
+
+    x = torch.randn(9, 2 * 40, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(cpu.silu_and_mul(x), silu_and_mul(x), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 12), (5, 72, 9), (7, 13, 4)])  # tails in k and n
+def test_int8_linear_equals_its_dequantized_reference(m, k, n):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=gen)
+    weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.02
+    bias = torch.randn(n, generator=gen)
+    dequantized = weight.float() * scale.unsqueeze(1)
+    torch.testing.assert_close(cpu.int8_linear(x, weight, scale, bias),
+                               torch.nn.functional.linear(x, dequantized, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu.int8_linear(x, weight, scale, None),
+                               torch.nn.functional.linear(x, dequantized), atol=1e-5, rtol=1e-5)
+    # A row's result does not depend on the rows batched with it.
+    torch.testing.assert_close(cpu.int8_linear(x[:1], weight, scale, None)[0],
+                               cpu.int8_linear(x, weight, scale, None)[0], atol=0, rtol=0)

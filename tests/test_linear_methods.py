@@ -1,0 +1,90 @@
+"""Linear methods: oneDNN-prepacked weights (same math as F.linear) and weight-only int8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from backend.config import EngineConfig
+from backend.errors import InvalidRequestError
+from backend.models.linear import ReplicatedLinear
+from backend.models.linear_methods import (Int8LinearMethod, OneDnnLinearMethod, linear_method_for,
+                                           quantize_int8)
+from backend.request import SamplingParams
+from test_correctness import hf_greedy, make_engine, random_prompts, run_engine
+
+
+def layer_with(method, in_features=40, out_features=24, seed=0):
+    torch.manual_seed(seed)
+    layer = ReplicatedLinear(in_features, out_features, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    expected_weight, expected_bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.linear_method = method
+    method.process_weights_after_loading(layer)
+    return layer, expected_weight, expected_bias
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_onednn_method_computes_f_linear(rows):
+    layer, weight, bias = layer_with(OneDnnLinearMethod())
+    x = torch.randn(rows, 40)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert layer.weight.numel() == 0  # the plain copy was freed
+
+
+def test_quantize_int8_rounds_each_row_to_its_own_scale():
+    weight = torch.randn(7, 33) * torch.arange(1, 8).unsqueeze(1)  # rows of different ranges
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.shape == (7,)
+    assert q.abs().amax(dim=1).eq(127).all()  # each row uses the full range
+    assert ((q.float() * scale.unsqueeze(1) - weight).abs() <= scale.unsqueeze(1) / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 40])
+def test_int8_method_computes_the_dequantized_matmul(rows):
+    layer, weight, bias = layer_with(Int8LinearMethod())
+    q, scale = quantize_int8(weight)
+    x = torch.randn(rows, 40)
+    expected = torch.nn.functional.linear(x, q.float() * scale.unsqueeze(1), bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_method_choice():
+    cpu = torch.device("cpu")
+    assert isinstance(linear_method_for(cpu, torch.float32, None), OneDnnLinearMethod)
+    assert isinstance(linear_method_for(cpu, torch.float32, "int8"), Int8LinearMethod)
+    assert type(linear_method_for(torch.device("meta"), torch.float32, None)).__name__ == "LinearMethod"
+
+
+def test_bad_quantization_settings_are_refused():
+    with pytest.raises(InvalidRequestError, match="quantization must be one of int8") as info:
+        EngineConfig(quantization="awq")
+    assert info.value.param == "quantization"
+
+
+def dequantized_copy(model_dir, out_dir):
+    """The checkpoint with every linear weight (LM head included) replaced by what int8 keeps."""
+    model = T.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scale = quantize_int8(module.weight.float())
+                module.weight.copy_(q.float() * scale.unsqueeze(1))
+    model.save_pretrained(str(out_dir))
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    return out_dir
+
+
+def test_int8_engine_equals_hf_on_the_dequantized_weights(tiny_checkpoint, tmp_path):
+    model_dir = tiny_checkpoint("llama")  # untied embeddings: the LM head is a linear of its own
+    dequantized = dequantized_copy(model_dir, tmp_path / "dequantized")
+    prompts = random_prompts([3, 17, 40], 384)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    engine = make_engine(model_dir, quantization="int8")
+    assert run_engine(engine, prompts, params) == hf_greedy(dequantized, prompts, 12)
+    linears = [m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "linear_method")]
+    assert linears and all(m.int8_weight.dtype == torch.int8 for m in linears)  # the LM head too
