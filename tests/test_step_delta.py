@@ -13,7 +13,7 @@ from backend.request import FinishReason, Request, SamplingParams
 from backend.scheduler import Scheduler
 
 FIELDS = ("request_id", "token_ids", "start_pos", "block_ids", "needs_sample", "sampling_params",
-          "prompt_token_ids", "output_token_ids", "eos_token_id")
+          "prompt_token_ids", "output_token_ids", "eos_token_id", "num_draft_tokens")
 
 
 def through_the_wire(encoder: StepEncoder, decoder: StepDecoder, sched):
@@ -31,25 +31,38 @@ def assert_same(decoded, sched) -> None:
             assert getattr(got, name) == getattr(want, name), (want.request_id, name)
 
 
+def propose_drafts(scheduler: Scheduler, rng: random.Random) -> None:
+    """Speculative drafts for some decoding requests (as the engine's n-gram proposer gives)."""
+    for request in scheduler.running:
+        if request.num_computed_tokens == request.num_tokens - 1 and rng.random() < 0.4:
+            request.draft_token_ids = [rng.randrange(50) for _ in range(rng.randint(1, 3))]
+
+
 def complete_step(scheduler: Scheduler, sched, rng: random.Random, max_outputs: int) -> None:
-    """What the engine does after a step: advance, cache full blocks, append sampled tokens."""
+    """What the engine does after a step: advance past the accepted drafts, cache full blocks,
+    append the sampled tokens."""
     for s in sched.scheduled:
         request = scheduler.requests[s.request_id]
-        request.num_computed_tokens += s.num_tokens
-        scheduler.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        request.draft_token_ids = []
+        accepted = rng.randint(0, s.num_draft_tokens) if s.needs_sample else 0
+        request.num_computed_tokens += s.num_tokens - (s.num_draft_tokens - accepted)
+        scheduler.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
+                                                               request.num_tokens))
         if s.needs_sample:
-            request.append_output_token(rng.randrange(50))
-            if request.num_output_tokens >= max_outputs:
-                scheduler.finish_request(request, FinishReason.LENGTH)
+            for _ in range(accepted + 1):
+                request.append_output_token(rng.randrange(50))
+                if request.num_output_tokens >= max_outputs:
+                    scheduler.finish_request(request, FinishReason.LENGTH)
+                    break
 
 
-def test_decoded_steps_equal_the_schedulers_under_preemption_prefix_hits_and_aborts():
+def test_decoded_steps_equal_the_schedulers_under_preemption_prefix_hits_aborts_and_drafts():
     rng = random.Random(0)
     block_manager = BlockManager(num_blocks=24, block_size=4, enable_prefix_caching=True)
     scheduler = Scheduler(block_manager, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=96)
     encoder, decoder = StepEncoder(), StepDecoder()
     shared = [rng.randrange(50) for _ in range(9)]
-    next_id, steps = 0, 0
+    next_id, steps, num_drafts = 0, 0, 0
     while steps < 400:
         if rng.random() < 0.3 and next_id < 60:
             prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(50) for _ in range(rng.randint(1, 25))]
@@ -62,12 +75,14 @@ def test_decoded_steps_equal_the_schedulers_under_preemption_prefix_hits_and_abo
             if next_id >= 60:
                 break
             continue
+        propose_drafts(scheduler, rng)
         sched = scheduler.schedule()
         decoded, _ = through_the_wire(encoder, decoder, sched)
         assert_same(decoded, sched)
+        num_drafts += sum(s.num_draft_tokens for s in sched.scheduled)
         complete_step(scheduler, sched, rng, max_outputs=rng.randint(1, 30))
         steps += 1
-    assert scheduler.num_preemptions_total > 0 and block_manager.num_prefix_hits > 0
+    assert scheduler.num_preemptions_total > 0 and block_manager.num_prefix_hits > 0 and num_drafts > 0
     # Finished requests leave the mirror (it does not grow without bound).
     decoded, _ = through_the_wire(encoder, decoder, scheduler.schedule())
     assert decoder.num_requests <= len(scheduler.requests) + len(decoded.finished_request_ids)

@@ -9,7 +9,8 @@ each worker keeps a mirror of the running requests and rebuilds the same ``Sched
       new_requests           NewRequest: prompt, sampling params, EOS -- once per request
       scheduled              ScheduledDelta per request: where this step starts and how many tokens,
                              the tokens appended since it was last sent (decode: one),
-                             its block table as (blocks to keep, blocks to append after them)
+                             its block table as (blocks to keep, blocks to append after them),
+                             this step's speculative drafts (never stored: they change each step)
 
 A decode step therefore costs a few dozen bytes per request whatever the context length. After a
 preemption the block table is rebuilt (fewer blocks kept); tokens are never taken back.
@@ -33,11 +34,12 @@ class NewRequest(NamedTuple):
 class ScheduledDelta(NamedTuple):
     request_id: str
     start_pos: int
-    num_tokens: int
+    num_tokens: int  # drafts included
     needs_sample: bool
     new_token_ids: list[int]  # output tokens appended since the request was last sent
     keep_blocks: int  # leading entries of the mirrored block table that stay
     new_block_ids: list[int]  # appended after them
+    draft_token_ids: list[int]  # the last len() of this step's tokens: drafts to verify
 
 
 class StepMessage(NamedTuple):
@@ -81,8 +83,9 @@ class StepEncoder:
             new_blocks = s.block_ids[keep:]
             del sent.block_ids[keep:]
             sent.block_ids.extend(new_blocks)
+            drafts = s.token_ids[s.num_tokens - s.num_draft_tokens:] if s.num_draft_tokens else []
             scheduled.append(ScheduledDelta(s.request_id, s.start_pos, s.num_tokens, s.needs_sample,
-                                            new_tokens, keep, new_blocks))
+                                            new_tokens, keep, new_blocks, drafts))
         return StepMessage(finished, new_requests, scheduled, sched.num_scheduled_tokens,
                            sched.num_preempted)
 
@@ -134,12 +137,14 @@ class StepDecoder:
                 m.all_token_ids.extend(d.new_token_ids)
             del m.block_ids[d.keep_blocks:]
             m.block_ids.extend(d.new_block_ids)
+            known_end = d.start_pos + d.num_tokens - len(d.draft_token_ids)
             scheduled.append(ScheduledRequest(
                 request_id=d.request_id,
-                token_ids=m.all_token_ids[d.start_pos:d.start_pos + d.num_tokens],
+                token_ids=m.all_token_ids[d.start_pos:known_end] + d.draft_token_ids,
                 start_pos=d.start_pos, block_ids=m.block_ids, needs_sample=d.needs_sample,
                 sampling_params=m.sampling_params, prompt_token_ids=m.prompt_token_ids,
-                output_token_ids=m.output_token_ids, eos_token_id=m.eos_token_id))
+                output_token_ids=m.output_token_ids, eos_token_id=m.eos_token_id,
+                num_draft_tokens=len(d.draft_token_ids)))
         return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=message.num_scheduled_tokens,
                                finished_request_ids=set(message.finished_request_ids),
                                num_preempted=message.num_preempted)
