@@ -1,6 +1,12 @@
 """The ``mp`` executor over gloo on the CPU: tensor and pipeline parallel runs give the single
 worker's greedy tokens, token for token, for every architecture and the real default model; a
-worker's death fails the engine within seconds; nothing is ever left running."""
+worker's death fails the engine within seconds; nothing is ever left running.
+
+Each worker process costs a torch import and a model load, so CI runs a lean matrix: TP=2 x PP=2
+(which shards and stages every layer kind) for every architecture, TP=2 and PP=2 alone for Llama,
+SmolLM2 at TP=2 (uneven KV groups) and TP=2 x PP=2. ``TANDEM_TEST_FULL_MATRIX=1`` runs every
+size for every architecture and SmolLM2 (about three times as long).
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ["llama", "qwen2", "mistral", "opt", "gpt2"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 TINY_PROMPT_LENGTHS = [1, 3, 7, 17, 33, 50]
+FULL_MATRIX = os.environ.get("TANDEM_TEST_FULL_MATRIX") == "1"
+SIZES = [(2, 1), (1, 2), (2, 2)]
+TINY_MATRIX = [(arch, tp, pp) for arch in ARCHS for tp, pp in SIZES
+               if FULL_MATRIX or (tp, pp) == (2, 2) or arch == "llama"]
+SMOLLM2_SIZES = SIZES if FULL_MATRIX else [(2, 1), (2, 2)]
 
 
 def run_and_stop(model_dir, prompts, params=GREEDY, **kwargs) -> tuple[list[list[int]], LLMEngine]:
@@ -46,28 +57,23 @@ def assert_workers_gone(engine: LLMEngine) -> None:
     wait_until(lambda: not any(is_alive(pid) for pid in pids), 10, f"workers {pids} still alive")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_pp2_equals_one_worker(tiny_checkpoint, arch):
-    """4 workers (2 stages x 2 ranks): sharded heads, MLP and vocabulary, activations passed
-    between stages; chunked prefill (a 32-token budget) and prefix caching on."""
+_ONE_WORKER: dict[str, list[list[int]]] = {}
+
+
+@pytest.mark.parametrize("arch, tp, pp", TINY_MATRIX)
+def test_tensor_and_pipeline_parallel_equal_one_worker(tiny_checkpoint, arch, tp, pp):
+    """Sharded heads, MLP and vocabulary; layers in stages that pass their activations on
+    (TP=2 x PP=2: 4 workers); with chunked prefill (a 32-token budget) and a prefix hit."""
     model_dir = tiny_checkpoint(arch)
     prompts = random_prompts(TINY_PROMPT_LENGTHS, 384)
     prompts += [prompts[-1][:20] + [5, 6, 7]]  # a prefix hit
-    expected, _ = run_and_stop(model_dir, prompts, max_num_batched_tokens=32)
+    if arch not in _ONE_WORKER:
+        _ONE_WORKER[arch], _ = run_and_stop(model_dir, prompts, max_num_batched_tokens=32)
     got, engine = run_and_stop(model_dir, prompts, max_num_batched_tokens=32,
-                               tensor_parallel_size=2, pipeline_parallel_size=2)
-    assert engine.config.executor_backend == "mp" and len(engine.executor.worker_pids) == 4
-    assert got == expected
+                               tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert engine.config.executor_backend == "mp" and len(engine.executor.worker_pids) == tp * pp
+    assert got == _ONE_WORKER[arch]
     assert_workers_gone(engine)
-
-
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_tp_alone_and_pp_alone_equal_one_worker(tiny_checkpoint, tp, pp):
-    model_dir = tiny_checkpoint("llama")
-    prompts = random_prompts(TINY_PROMPT_LENGTHS, 384, seed=3)
-    expected, _ = run_and_stop(model_dir, prompts)
-    got, _ = run_and_stop(model_dir, prompts, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    assert got == expected
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +91,7 @@ def smollm2(default_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp, pp", SMOLLM2_SIZES)
 def test_default_model_split_equals_one_worker(smollm2, tp, pp):
     """SmolLM2 has 9 query heads in 3 KV groups: at TP=2 the ranks hold 1 and 2 groups."""
     model_dir, prompts, expected = smollm2
@@ -123,6 +129,18 @@ def test_one_worker_process_equals_in_process_and_its_message_stays_small(tiny_c
     assert first > 200  # the 100-token prompt, once
     assert max(decode) < 200 and max(decode) - min(decode) <= 8, decode  # context 101 -> 127
     assert_workers_gone(engine)
+
+
+def test_speculative_drafts_are_verified_on_every_rank(tiny_checkpoint):
+    """n-gram drafts travel in the step delta: TP=2 with drafts gives the plain greedy tokens."""
+    model_dir = tiny_checkpoint("llama")
+    prompts = [p * 3 for p in random_prompts([5, 9], 384, seed=7)]  # repetitive: drafts exist
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    expected, _ = run_and_stop(model_dir, prompts, params)
+    got, engine = run_and_stop(model_dir, prompts, params, tensor_parallel_size=2,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert got == expected
+    assert engine.num_draft_tokens_total > 0 and engine.num_accepted_tokens_total > 0
 
 
 # ---- faults --------------------------------------------------------------------------------------
@@ -211,41 +229,61 @@ def test_an_idle_worker_death_turns_health_not_serving_and_requests_unavailable(
         loop.close()
 
 
-def start_backend(model_dir) -> tuple[subprocess.Popen, set[int]]:
-    """``python -m backend.server`` at TP=2 on a free port; returns it and its worker PIDs."""
+def test_ctrl_c_stops_the_backend_and_every_worker(tiny_checkpoint):
+    """Ctrl-C in a terminal signals the whole process group: the workers ignore it, the server
+    drains, stops them and exits 0."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backend.server", str(model_dir), "--tensor-parallel-size", "2",
-         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--dtype", "float32",
+        [sys.executable, "-m", "backend.server", str(tiny_checkpoint("llama")), "--tensor-parallel-size",
+         "2", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--dtype", "float32",
          "--num-kv-blocks", "64", "--block-size", "4", "--max-model-len", "256"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
     lines = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:
         wait_until(lambda: any("Backend serving" in line for line in lines) or proc.poll() is not None,
                    240, "the backend did not start")
         assert proc.poll() is None, "".join(lines)
         workers = child_pids(proc.pid)
         assert len(workers) == 2, workers
-        return proc, workers
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+        wait_until(lambda: not any(is_alive(pid) for pid in workers), 5, f"workers {workers} outlived Ctrl-C")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
-def test_ctrl_c_and_sigkill_of_the_backend_leave_no_worker(tiny_checkpoint):
-    model_dir = tiny_checkpoint("llama")
-    proc, workers = start_backend(model_dir)
-    proc.send_signal(signal.SIGINT)  # Ctrl-C: drain, stop the workers, exit 0
-    assert proc.wait(timeout=60) == 0
-    wait_until(lambda: not any(is_alive(pid) for pid in workers), 5, f"workers {workers} outlived Ctrl-C")
+def test_a_worker_whose_engine_was_killed_exits_by_itself():
+    """SIGKILL gives the engine no chance to stop its workers: each notices its parent is gone
+    (even while its socket stays open, as when blocked in a collective) and exits. The worker
+    is started bare (never set up: no model), under a stand-in engine process."""
+    import socket
 
-    proc, workers = start_backend(model_dir)
-    proc.kill()  # no chance to clean up: the workers notice their engine is gone
-    proc.wait()
-    wait_until(lambda: not any(is_alive(pid) for pid in workers), 5, f"workers {workers} outlived SIGKILL")
+    ours, theirs = socket.socketpair()  # we keep our end open: only the watchdog can end it
+    stand_in = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, os, time\n"
+         "fd = int(sys.argv[1])\n"
+         "w = subprocess.Popen([sys.executable, '-m', 'backend.executor.mp_worker', str(fd), "
+         "str(os.getpid())], pass_fds=[fd])\n"
+         "print(w.pid, flush=True)\n"
+         "time.sleep(600)\n", str(theirs.fileno())],
+        cwd=REPO_ROOT, pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    theirs.close()
+    worker = None
+    try:
+        worker = int(stand_in.stdout.readline())
+        time.sleep(1.0)
+        assert is_alive(worker)  # waiting for its set-up message
+        stand_in.kill()
+        stand_in.wait()
+        wait_until(lambda: not is_alive(worker), 5, f"worker {worker} outlived its killed engine")
+    finally:
+        ours.close()
+        if stand_in.poll() is None:
+            stand_in.kill()
+            stand_in.wait()
+        if worker is not None and is_alive(worker):
+            os.kill(worker, signal.SIGKILL)

@@ -1,24 +1,30 @@
 """The ``ray`` executor on a two-node Ray cluster simulated on this machine (Ray's own
 ``cluster_utils.Cluster``: two raylets, one CPU each), so TP=2 must put one worker on each node.
 One cluster serves the whole module (Ray starts slowly); it is stopped, with every process it
-started, at the end."""
+started, at the end. The executor is the same for every architecture (their sharding is
+tested with ``mp``), so CI runs Llama here; ``TANDEM_TEST_FULL_MATRIX=1`` adds the other
+architectures and SmolLM2."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from backend.errors import WorkerDiedError
 from backend.request import SamplingParams
 from distributed_helpers import child_pids, wait_until
 from test_correctness import make_engine, random_prompts, run_engine
 
+# Ray is in tandem[test] (so CI runs these); a checkout installed without it skips them, saying why.
+ray = pytest.importorskip("ray", reason="the ray executor's tests need Ray: pip install 'tandem[ray]'")
+from ray.cluster_utils import Cluster  # noqa: E402
+
 pytestmark = pytest.mark.timeout(600)
 
-ARCHS = ["llama", "qwen2", "mistral", "opt", "gpt2"]
+FULL_MATRIX = os.environ.get("TANDEM_TEST_FULL_MATRIX") == "1"
+ARCHS = ["llama", "qwen2", "mistral", "opt", "gpt2"] if FULL_MATRIX else ["llama"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
 
@@ -60,6 +66,8 @@ def test_tp2_across_two_nodes_equals_one_worker(two_nodes, tiny_checkpoint, arch
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not FULL_MATRIX, reason="the full matrix only (TANDEM_TEST_FULL_MATRIX=1): "
+                    "the executor is model-independent and SmolLM2's split is tested with mp")
 def test_default_model_tp2_across_two_nodes_equals_one_worker(two_nodes, default_model_dir):
     from frontend.tokenizer import load_tokenizer
 
