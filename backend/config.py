@@ -37,6 +37,39 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+# Each setting's meaning: the one source of the ``--flag`` help texts (which add the default).
+FIELD_HELP = {
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "served_model_name": "the model name clients use (default: the model argument)",
+    "revision": "hub revision of the model",
+    "dtype": "auto = bf16 on GPUs and on CPUs with native bf16 (avx512_bf16/AMX), else fp32; "
+             f"or one of {', '.join(DTYPES[1:])}",
+    "seed": "global RNG seed (a request's seed overrides it)",
+    "device": "auto, cpu or cuda",
+    "max_model_len": "longest prompt + output in tokens (default: the model's)",
+    "max_num_seqs": "sequences in one batch",
+    "max_num_batched_tokens": "tokens in one step (prompt chunks + decodes)",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse the KV blocks of shared prefixes",
+    "enforce_eager": "no compilation and no CUDA graphs",
+    "kv_cache_memory_gb": "KV-cache size on CPU, GiB",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache",
+    "num_kv_blocks": "exact number of KV-cache blocks (overrides the two above)",
+    "tensor_parallel_size": "GPUs (or CPU workers) one layer is split over",
+    "pipeline_parallel_size": "stages the layers are split into",
+    "distributed_executor_backend": f"one of {', '.join(EXECUTORS)} (default: uni for one worker; "
+                                    "ray once this process joined Ray or the GPUs are not all on "
+                                    "this machine; else mp)",
+    "download_dir": "where fetched and converted models live (default: $TANDEM_CACHE or ~/.cache/tandem)",
+    "quantization": f"weight quantization: one of {', '.join(QUANTIZATIONS)} (weight-only, CPU, float32 "
+                    "activations) (default: the checkpoint's precision)",
+    "speculative_config": 'speculative decoding by n-gram prompt lookup, vLLM\'s JSON, e.g. '
+                          '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                          '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\' (default: off)',
+}
+
+
 @dataclass
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` for n-gram prompt lookup (the one method implemented).
@@ -298,12 +331,16 @@ class EngineConfig:
             default = getattr(defaults, f.name)
             # Optional[X] -> X: the flag parses the value type, None is simply the default.
             kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+            text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
+            if "(default:" not in text:
+                text += f" (default: {default})"
             if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                    help=text.replace(f"(default: {default})", f"(default: {'on' if default else 'off'})"))
             elif kind is dict:
-                parser.add_argument(flag, type=json.loads, default=default, metavar="JSON")
+                parser.add_argument(flag, type=json.loads, default=default, metavar="JSON", help=text)
             else:
-                parser.add_argument(flag, type=kind, default=default)
+                parser.add_argument(flag, type=kind, default=default, help=text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterable, Optional
 
+from backend.beam_search import BeamSearch
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import EngineDeadError, InvalidRequestError
@@ -22,10 +23,12 @@ from backend.request import (EngineLoad, EngineOutput, FinishReason, ModelInfo, 
                              SamplingParams)
 from backend.scheduler import Scheduler
 from backend.spec_decode import NgramProposer
+from backend.structured_output import GrammarViolation, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default)
+MAX_LOGPROB_TOKEN_IDS = 128  # tokens a request may ask logprobs of by ID (each costs a vocab-wide rank)
 
 
 def _eos_token_ids(config: EngineConfig) -> list[int]:
@@ -63,6 +66,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.children: dict[str, list[str]] = {}  # parent request ID -> its sequences' IDs
+        self.beams: dict[str, BeamSearch] = {}  # beam-search request ID -> its search
+        self.structured_output = StructuredOutputManager(str(config.tokenizer_path), self.vocab_size,
+                                                         self.eos_token_ids)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.speculative = config.speculative
@@ -102,20 +108,42 @@ class LLMEngine:
             if value is not None and value > MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.",
                                           param=name)
+        for name in ("stop_token_ids", "logprob_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} holds token ID {bad[0]}, outside the vocabulary "
+                                          f"(size {self.vocab_size}).", param=name)
+        if params.logprob_token_ids is not None and len(params.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise InvalidRequestError(f"logprob_token_ids may list at most {MAX_LOGPROB_TOKEN_IDS} tokens, "
+                                      f"got {len(params.logprob_token_ids)}.", param="logprob_token_ids")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue a request (``params.n`` sequences). Raises InvalidRequestError for bad input."""
+                    arrival_time: Optional[float] = None, grammar: object = None) -> None:
+        """Queue a request (``params.n`` sequences). Raises InvalidRequestError for bad input.
+
+        ``grammar``: ``params.structured_outputs`` compiled already (``compile_async``);
+        without it a constrained request is compiled here, on the caller's thread.
+        """
         if request_id in self.children:
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
                                       param="request_id")
         self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.structured_output.compile(params.structured_outputs)
+        if params.use_beam_search:
+            search = BeamSearch(request_id, prompt_token_ids, params, self.eos_token_ids,
+                                self.config.max_model_len, arrival_time or time.monotonic())
+            self.beams[request_id] = search
+            self._start_beam_round(search)
+            return
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.children[request_id] = ids
         for index, child_id in enumerate(ids):
             child_params = params
             if params.seed is not None and params.n > 1:
                 child_params = SamplingParams(**{**vars(params), "seed": params.seed + index})
+            if grammar is not None:
+                self.structured_output.add(child_id, grammar)
             self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,
                                                self.eos_token_id, parent_id=request_id,
                                                index=index, arrival_time=arrival_time))
@@ -123,10 +151,11 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests (all their sequences) and free their blocks; unknown IDs are ignored."""
         for request_id in request_ids:
+            self.beams.pop(request_id, None)
             for child_id in self.children.pop(request_id, []):
                 request = self.scheduler.requests.get(child_id)
                 if request is not None:
-                    self.scheduler.finish_request(request, FinishReason.ABORT)
+                    self._finish(request, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -137,8 +166,13 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
+        constrained = self.structured_output.has_matchers
+        if constrained:
+            sched.grammar = self.structured_output.grammar_bitmask(
+                s.request_id for s in sched.scheduled if s.needs_sample)
         runner_out = self.executor.execute_model(sched)
         outputs: list[EngineOutput] = []
+        finished_rounds: list[BeamSearch] = []
         now = time.monotonic()
         for s in sched.scheduled:
             request = self.scheduler.requests[s.request_id]
@@ -151,12 +185,23 @@ class LLMEngine:
                 request.num_computed_tokens += s.num_tokens
                 self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
                 continue
+            search = self.beams.get(request.parent_id) if self.beams else None
+            if search is not None:  # a beam's one-token child (no drafts): its logprobs are the candidates
+                request.num_computed_tokens += s.num_tokens
+                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)  # for the next round
+                self.num_generation_tokens_total += 1
+                self._finish(request, FinishReason.LENGTH)
+                if search.record(request.request_id, runner_out.logprobs[s.request_id][0]):
+                    finished_rounds.append(search)
+                continue
             first = request.num_output_tokens == 0
             new_tokens, reason = [], None
             for token_id in runner_out.sampled_token_ids[s.request_id]:
                 request.append_output_token(token_id)
                 new_tokens.append(token_id)
                 reason = self._check_stop(request, token_id)
+                if constrained and reason is None:  # every token the sequence keeps advances its grammar
+                    reason = self._advance_grammar(request, token_id)
                 if reason is not None:
                     break
             # The KV cache now holds every scheduled token but the rejected drafts.
@@ -179,12 +224,42 @@ class LLMEngine:
                 prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
                 else None))
             if reason is not None:
-                self.scheduler.finish_request(request, reason)
+                self._finish(request, reason)
                 self._forget_child(request)
+        for search in finished_rounds:
+            if search.advance():
+                outputs.extend(search.outputs())
+                del self.beams[search.request_id], self.children[search.request_id]
+            else:
+                self._start_beam_round(search)
         return outputs
 
+    def _start_beam_round(self, search: BeamSearch) -> None:
+        children = search.next_children(self.eos_token_id)
+        self.children[search.request_id] = [child.request_id for child in children]
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish_request(request, reason)
+        if self.structured_output.has_matchers:
+            self.structured_output.remove((request.request_id,))
+
+    def _advance_grammar(self, request: Request, token_id: int) -> Optional[FinishReason]:
+        """Feed a kept token to the sequence's grammar: STOP once its text is complete."""
+        try:
+            complete = self.structured_output.accept(request.request_id, token_id)
+        except GrammarViolation as error:  # no allowed token was left (see accept)
+            logger.warning("%s; ending the sequence.", error)
+            return FinishReason.ABORT
+        return FinishReason.STOP if complete else None
+
     def _propose_drafts(self) -> None:
-        """Give each decoding request n-gram drafts for this step (see backend/spec_decode.py)."""
+        """Give each decoding request n-gram drafts for this step (see backend/spec_decode.py).
+
+        Structured-output and beam-search sequences get none: a grammar's mask is filled for
+        one position per step, and a beam child samples exactly one token.
+        """
         spec = self.speculative
         running = self.scheduler.running
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
@@ -193,6 +268,8 @@ class LLMEngine:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling
             params = request.sampling_params
+            if params.structured_outputs is not None or request.parent_id in self.beams:
+                continue
             room = self.config.max_model_len - request.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
@@ -240,6 +317,7 @@ class LLMEngine:
                           self.block_manager.usage)
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
 
@@ -262,7 +340,8 @@ class AsyncLLMEngine:
             self._thread.shutdown(wait=False)
             raise
         self._lock = threading.Lock()
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
+        # (request ID, prompt, params, arrival time, compiled grammar or None)
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, float, object]] = []
         self._pending_aborts: list[str] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -282,10 +361,17 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
                                       param="request_id")
         self.engine.validate(prompt_token_ids, params)
+        arrival = time.monotonic()
+        grammar = None
+        if params.structured_outputs is not None:  # off the engine thread; errors before queueing
+            grammar = await self.engine.structured_output.compile_async(params.structured_outputs)
+            if request_id in self._streams:
+                raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
+                                          param="request_id")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         with self._lock:
-            self._pending_adds.append((request_id, list(prompt_token_ids), params, time.monotonic()))
+            self._pending_adds.append((request_id, list(prompt_token_ids), params, arrival, grammar))
         self._ensure_loop()
         remaining = params.n
         try:
@@ -331,9 +417,9 @@ class AsyncLLMEngine:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
         errors = []
-        for request_id, prompt, params, arrival in adds:
+        for request_id, prompt, params, arrival, grammar in adds:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival)
+                self.engine.add_request(request_id, prompt, params, arrival, grammar)
             except InvalidRequestError as e:
                 errors.append((request_id, e))
         self.engine.abort_request(aborts)

@@ -294,7 +294,11 @@ class ModelRunner:
                                 output_token_ids=_history(s, j), eos_token_id=s.eos_token_id,
                                 generator=self._generator(s))
                     for s, _, j in inputs.sample_rows]
-            sampled = self.sampler(logits, rows)
+            allowed = None
+            if sched.grammar is not None:  # structured outputs: only then is there work here
+                # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.
+                allowed = sched.grammar.for_sampler_rows([s.request_id for s, _, _ in inputs.sample_rows])
+            sampled = self.sampler(logits, rows, allowed)
             start = 0
             while start < len(rows):  # one request's rows are consecutive
                 s = inputs.sample_rows[start][0]
@@ -303,7 +307,7 @@ class ModelRunner:
                 if s.num_draft_tokens:
                     tokens = accept_drafts(s.token_ids[-s.num_draft_tokens:], tokens)
                 out.sampled_token_ids[s.request_id] = tokens
-                if s.sampling_params.logprobs is not None:
+                if s.sampling_params.wants_logprobs:
                     out.logprobs[s.request_id] = sampled.logprobs[start:start + len(tokens)]
                 start = end
         return out

@@ -7,11 +7,104 @@ data contract between the two halves, in process or over gRPC.
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 from backend.errors import InvalidRequestError
+
+# The longest schema, regex or grammar (in characters) a request may carry: compiling
+# one costs time and memory on the backend, so it is bounded before anything is queued.
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
+MAX_CHOICES = 1024  # structured_outputs.choice entries
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the generated text to a language (vLLM's ``structured_outputs``).
+
+    Exactly one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``
+    is set. The backend enforces it token by token (``backend.structured_output``).
+
+    - ``json``: a JSON Schema (a dict, or its JSON text); the output is JSON valid
+      for it. Properties not in the schema are never generated (vLLM with
+      xgrammar does the same), so ``disable_additional_properties`` is always in effect.
+    - ``json_object``: any JSON object.
+    - ``regex``: the output matches the regular expression (JSON Schema's
+      ``pattern`` dialect, a subset of ECMA-262) from start to end.
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: an EBNF grammar in the GBNF dialect (llama.cpp's, with rule
+      ``root`` as the start); the output is a sentence of it.
+    - ``disable_any_whitespace``: JSON without whitespace between tokens.
+    """
+
+    json: Union[str, dict, None] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # there is one grammar backend: never a fallback
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> None:
+            raise InvalidRequestError(message, param="structured_outputs")
+
+        given = [kind for kind in self.KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            bad("structured_outputs needs exactly one of json, json_object, regex, choice or grammar; "
+                f"got {', '.join(given) if given else 'none'}.")
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        if self.json is not None:
+            if not isinstance(self.json, str):
+                bad(f"structured_outputs.json must be a JSON Schema object, got {type(self.json).__name__}.")
+            try:
+                schema = json.loads(self.json)
+            except ValueError as error:
+                bad(f"structured_outputs.json is not valid JSON: {error}.")
+            if not isinstance(schema, (dict, bool)):
+                bad("structured_outputs.json must be a JSON Schema (an object).")
+        for kind in ("json", "regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(f"structured_outputs.{kind} must be a non-empty string.")
+            if value is not None and len(value) > MAX_STRUCTURED_OUTPUT_CHARS:
+                bad(f"structured_outputs.{kind} is {len(value)} characters long; at most "
+                    f"{MAX_STRUCTURED_OUTPUT_CHARS} are accepted.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, list) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                bad("structured_outputs.choice must be a non-empty list of non-empty strings.")
+            if len(self.choice) > MAX_CHOICES or sum(map(len, self.choice)) > MAX_STRUCTURED_OUTPUT_CHARS:
+                bad(f"structured_outputs.choice may hold at most {MAX_CHOICES} strings of "
+                    f"{MAX_STRUCTURED_OUTPUT_CHARS} characters in all.")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in self.KINDS if getattr(self, kind) not in (None, False))
+
+    def cache_key(self) -> tuple:
+        """Equal keys compile to the same grammar."""
+        return (self.kind, self.json, self.regex, tuple(self.choice or ()), self.grammar,
+                self.disable_any_whitespace)
+
+    @classmethod
+    def coerce(cls, value: Any) -> Optional["StructuredOutputsParams"]:
+        """None, an instance, or vLLM's dict form."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
+            if unknown:
+                raise InvalidRequestError(f"structured_outputs does not take {', '.join(unknown)}.",
+                                          param="structured_outputs")
+            return cls(**value)
+        raise InvalidRequestError("structured_outputs must be an object.", param="structured_outputs")
 
 
 @dataclass
@@ -41,8 +134,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Logprobs of exactly these tokens at each generated position (besides the
+    # chosen one), instead of the top ``logprobs``.
+    logprob_token_ids: Optional[list[int]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    # Beam search (vLLM's): ``n`` beams, scored by cumulative logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -85,6 +188,26 @@ class SamplingParams:
             bad("stop", "stop strings must not be empty.")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be non-negative token IDs.")
+        if self.logprob_token_ids is not None:
+            if not self.logprob_token_ids or any(t < 0 for t in self.logprob_token_ids):
+                bad("logprob_token_ids", "logprob_token_ids must be a non-empty list of token IDs.")
+            if self.logprobs is not None:
+                bad("logprob_token_ids", "Give logprobs (the top k) or logprob_token_ids (these tokens), not both.")
+        if self.use_beam_search:
+            # Beams are ranked by the raw logprobs, as vLLM's are: temperature does not change
+            # them; the filters and penalties below would, and are not implemented for beams.
+            for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0),
+                              ("structured_outputs", None), ("logprob_token_ids", None)):
+                if getattr(self, name) != off:
+                    bad(name, f"{name} cannot be combined with use_beam_search.")
+            if self.logprobs is not None and self.logprobs > 0:
+                bad("logprobs", "With use_beam_search only the chosen tokens' logprobs (logprobs=0) are returned.")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Each generated token comes with its logprobs (top-k or of logprob_token_ids)."""
+        return self.logprobs is not None or self.logprob_token_ids is not None
 
     @property
     def greedy(self) -> bool:

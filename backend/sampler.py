@@ -1,19 +1,23 @@
 """Pick the next token of every sequence from its logits (vLLM's semantics).
 
-Order per step: raw logprobs → min_tokens masking → penalties → greedy argmax
-or temperature → top-k → top-p → min-p → exponential-race sampling.
-Logprobs always describe the model's raw distribution, before any of the
-sampling transforms.
+Order per step: structured-output mask → raw logprobs → min_tokens masking →
+penalties → greedy argmax or temperature → top-k → top-p → min-p →
+exponential-race sampling. Logprobs describe the model's raw distribution
+(after the structured-output mask, as vLLM's), before any of the sampling
+transforms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from backend.request import Logprob, PositionLogprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from backend.structured_output import TokenBitmask
 
 _NEG_INF = float("-inf")
 # Top-p first ranks only this many most likely tokens; wider nuclei fall back to a full sort.
@@ -48,18 +52,25 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
-    logprobs: list[Optional[PositionLogprobs]]  # per row; None unless params.logprobs is set
+    logprobs: list[Optional[PositionLogprobs]]  # per row; None unless logprobs or logprob_token_ids is set
 
 
 class Sampler:
     """Stateless: per-request state (tokens, RNG) comes in with the rows."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab], any float dtype; all math runs in float32."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 allowed_tokens: Optional[TokenBitmask] = None) -> SamplerOutput:
+        """logits: [num_rows, vocab], any float dtype; all math runs in float32.
+
+        ``allowed_tokens`` (structured outputs) masks the other tokens of its rows
+        first, in place: like vLLM, logprobs then describe the masked distribution.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}.")
+        if allowed_tokens is not None:
+            allowed_tokens.apply_(logits)
         num_rows = len(rows)
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.wants_logprobs]
         min_tokens_rows = [i for i, row in enumerate(rows) if row.below_min_tokens]
         penalty_rows = [i for i, row in enumerate(rows) if row.has_penalties]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -92,7 +103,8 @@ class Sampler:
         logprobs: list[Optional[PositionLogprobs]] = [None] * num_rows
         if raw_logprobs is not None:
             chosen = token_ids[torch.tensor(logprob_rows, device=device)]
-            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs for i in logprob_rows])
+            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs or 0 for i in logprob_rows],
+                                           [rows[i].params.logprob_token_ids for i in logprob_rows])
             for i, position in zip(logprob_rows, positions):
                 logprobs[i] = position
         return SamplerOutput(token_ids.tolist(), logprobs)
@@ -281,12 +293,15 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 
 
 def _position_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int]
+    logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int],
+    token_ids: Optional[list[Optional[list[int]]]] = None,
 ) -> list[PositionLogprobs]:
     """logprobs [n, vocab], chosen [n] → per row {chosen: Logprob, then top-k by rank}.
 
     The chosen token's rank is 1 + the number of tokens strictly more likely; the
     top-k get ranks 1..k. A chosen token that is also in the top-k appears once.
+    Where ``token_ids[i]`` is given, row i lists those tokens (in that order,
+    each with its rank) instead of a top-k.
     """
     chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))  # [n, 1]
     chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
@@ -300,9 +315,17 @@ def _position_logprobs(
         zip(chosen.tolist(), chosen_logprobs.squeeze(1).tolist(), chosen_ranks.tolist())
     ):
         position: PositionLogprobs = {token_id: Logprob(logprob, rank)}
-        for top_rank in range(min(num_tops[i], max_top)):
-            top_id = top_ids[i][top_rank]
-            if top_id not in position:
-                position[top_id] = Logprob(top_values[i][top_rank], top_rank + 1)
+        wanted = token_ids[i] if token_ids is not None else None
+        if wanted is not None:
+            ids = torch.tensor(wanted, device=logprobs.device)
+            values = logprobs[i].index_select(0, ids)  # [m]
+            ranks = (logprobs[i].unsqueeze(0) > values.unsqueeze(1)).sum(dim=-1) + 1  # [m]
+            for wanted_id, value, wanted_rank in zip(wanted, values.tolist(), ranks.tolist()):
+                position.setdefault(wanted_id, Logprob(value, wanted_rank))
+        else:
+            for top_rank in range(min(num_tops[i], max_top)):
+                top_id = top_ids[i][top_rank]
+                if top_id not in position:
+                    position[top_id] = Logprob(top_values[i][top_rank], top_rank + 1)
         result.append(position)
     return result

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from backend.block_manager import BlockManager
 from backend.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -49,6 +49,9 @@ class SchedulerOutput:
     # Requests that ended since the last step: the runner drops their state (RNGs).
     finished_request_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
+    # Allowed tokens of the constrained sequences that sample this step
+    # (backend.structured_output.GrammarBitmask), filled in by the engine; None: none.
+    grammar: Any = None
 
     @property
     def is_empty(self) -> bool:

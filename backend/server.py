@@ -32,13 +32,15 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import generate_latest
 
 from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
 from backend.errors import EngineDeadError, InvalidRequestError, TandemError
 from backend.metrics import EngineMetrics
 from backend.ports import check_port_free, port_error
-from backend.request import EngineOutput, FinishReason, Logprob, PositionLogprobs, SamplingParams
+from backend.request import (EngineOutput, FinishReason, Logprob, PositionLogprobs, SamplingParams,
+                             StructuredOutputsParams)
 from backend.tokenizer_files import tokenizer_file_names, tokenizer_fingerprint
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -113,7 +115,20 @@ def sampling_params_from_proto(message: engine_pb2.SamplingParams) -> SamplingPa
             continue
         value = getattr(message, field.name)
         kwargs[field.name] = list(value) if field.is_repeated else value
+    kwargs["logprob_token_ids"] = kwargs["logprob_token_ids"] or None  # empty: off
+    if "structured_outputs" in kwargs:
+        kwargs["structured_outputs"] = structured_outputs_from_proto(message.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def structured_outputs_from_proto(message: engine_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs is set but holds no constraint.", param="structured_outputs")
+    value = {"json_schema": lambda: {"json": message.json_schema}, "json_object": lambda: {"json_object": True},
+             "regex": lambda: {"regex": message.regex}, "choice": lambda: {"choice": list(message.choice.choices)},
+             "grammar": lambda: {"grammar": message.grammar}}[kind]()
+    return StructuredOutputsParams(**value, disable_any_whitespace=message.disable_any_whitespace)
 
 
 def _logprob_to_proto(token_id: int, logprob: Logprob) -> engine_pb2.Logprob:
@@ -159,6 +174,7 @@ class _GenerateCall:
         self.num_tokens = [0] * n
         self.num_cached_tokens = [0] * n
         self.last_token_time: list[Optional[float]] = [None] * n
+        self.first_token_time: list[Optional[float]] = [None] * n
         self.finished = [False] * n
 
     def response(self, output: EngineOutput) -> engine_pb2.GenerateResponse:
@@ -167,6 +183,7 @@ class _GenerateCall:
             last = self.last_token_time[index]
             if last is None:
                 self.metrics.observe_first_token(now - self.arrival_time)
+                self.first_token_time[index] = now
                 if index == 0:  # the prompt is looked up in the prefix cache once per request
                     self.metrics.observe_prefix_cache(self.num_prompt_tokens, output.num_cached_tokens)
             else:
@@ -197,6 +214,8 @@ class _GenerateCall:
         if self.metrics is not None:
             self.metrics.observe_finished(now - self.arrival_time, self.num_prompt_tokens,
                                           self.num_tokens[index], reason.value)
+            if self.first_token_time[index] is not None:
+                self.metrics.observe_decode_time(now - self.first_token_time[index])
 
 
 async def _until_set(outputs: AsyncIterator[EngineOutput], stop: asyncio.Event) -> AsyncIterator[EngineOutput]:
@@ -259,6 +278,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
         call = _GenerateCall(params.n, len(prompt), self.metrics)
+        if self.metrics is not None:
+            self.metrics.observe_params(params.n, params.max_tokens)
         stop = self._stop_events[request_id] = asyncio.Event()
         self._idle.clear()
         try:
@@ -320,6 +341,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.GetLoadResponse(num_requests_running=load.num_requests_running,
                                           num_requests_waiting=load.num_requests_waiting,
                                           kv_cache_usage=load.kv_cache_usage)
+
+    @map_errors
+    async def GetMetrics(self, request: engine_pb2.GetMetricsRequest,
+                         context: grpc.aio.ServicerContext) -> engine_pb2.GetMetricsResponse:
+        text = generate_latest(self.metrics.registry).decode() if self.metrics is not None else ""
+        return engine_pb2.GetMetricsResponse(prometheus_text=text)
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new Generate calls; wait up to ``timeout`` s for running ones. True if all ended."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import hmac
 import importlib.metadata
 import logging
@@ -46,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerFast
 
 from backend.config import EngineConfig
-from backend.errors import TandemError
+from backend.errors import InvalidRequestError, TandemError
 from backend.ports import check_port_free, port_error
 from backend.request import ModelInfo
 from frontend import protocol as P
@@ -63,6 +64,7 @@ from frontend.serving import (
     error_of_exception,
 )
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
+from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +206,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
-               api_key: Optional[str] = None, collectors: Sequence[Collector] = ()) -> FastAPI:
+               api_key: Optional[str] = None, collectors: Sequence[Collector] = (),
+               tool_call_parser: str = "auto") -> FastAPI:
     """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
 
     ``/health`` asks ``engine_client.health()`` (``GrpcEngineClient`` and ``Router`` have it) and
@@ -212,12 +215,14 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     ``tandem serve`` knows the answer came from its own frontend. ``collectors`` (e.g. the
     router's) are served on ``/metrics`` with the HTTP metrics.
     """
-    serving = OpenAIServing(engine_client, tokenizer, model_info)
+    serving = OpenAIServing(engine_client, tokenizer, model_info, tool_call_parser)
     metrics = HttpMetrics()
     for collector in collectors:
         metrics.registry.register(collector)
     instance_headers = {INSTANCE_HEADER: os.environ[INSTANCE_ENV]} if os.environ.get(INSTANCE_ENV) else {}
-    app = FastAPI(title="Tandem", version=tandem_version(), docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs describe exactly the request models the routes parse.
+    app = FastAPI(title="Tandem", version=tandem_version(), docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     protected = [Depends(api_key_checker(api_key))]
 
     @app.post("/v1/completions", dependencies=protected)
@@ -228,13 +233,39 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving.create_chat_completion(request, raw_request)
 
+    @app.post("/invocations", dependencies=protected, response_model=None)
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
+        try:
+            body = await raw_request.json()
+        except ValueError:
+            raise InvalidRequestError("The body must be a JSON object.", param="body") from None
+        if isinstance(body, dict) and "messages" in body:
+            return await serving.create_chat_completion(P.ChatCompletionRequest.model_validate(body), raw_request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await serving.create_completion(P.CompletionRequest.model_validate(body), raw_request)
+        raise InvalidRequestError("/invocations takes a chat completion body (with messages) or a completion "
+                                  "body (with prompt).", param="messages")
+
     @app.get("/v1/models", dependencies=protected)
     async def models() -> P.ModelList:
         return serving.models()
 
+    @app.get("/v1/models/{model_id:path}", dependencies=protected)
+    async def model(model_id: str) -> P.ModelCard:
+        return serving.model_card(model_id)
+
     @app.post("/tokenize", dependencies=protected)
     async def tokenize(request: P.TokenizeRequest) -> P.TokenizeResponse:
-        return serving.tokenize(request)
+        return await serving.tokenize(request)
+
+    @app.get("/tokenizer_info", dependencies=protected)
+    async def tokenizer_info() -> P.TokenizerInfoResponse:
+        return serving.tokenizer_info()
+
+    @app.get("/load")
+    async def load() -> P.LoadResponse:
+        return P.LoadResponse(server_load=serving.num_in_flight)
 
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
@@ -252,7 +283,16 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """The frontend's HTTP and router metrics, then the engines' (``Router.metrics_text``:
+        each backend's GetMetrics, labelled by backend). A client without it serves only ours."""
+        text = generate_latest(metrics.registry)
+        fetch = getattr(engine_client, "metrics_text", None)
+        if fetch is not None:
+            try:
+                text += (await fetch()).encode()
+            except TandemError as error:  # the backend is down: /health says so; keep serving ours
+                logger.warning("Could not fetch the backend's metrics: %s", error)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> P.VersionResponse:
@@ -316,7 +356,8 @@ async def fetch_backend_tokenizer(client, fingerprint: str, cache_dir: Path) -> 
 async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer: Optional[str] = None,
               api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info",
-              routing: str = "prefix", routing_prefix_tokens: int = DEFAULT_PREFIX_TOKENS) -> None:
+              routing: str = "prefix", routing_prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+              tool_call_parser: str = "auto") -> None:
     """Connect to the backends of ``backend`` (``frontend.router.parse_targets``), check the
     tokenizer, serve HTTP until SIGINT/SIGTERM. Raises ``StartupError`` (or another
     ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start."""
@@ -342,8 +383,9 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
                 "from the backend.")
         if served_model_name:
             model_info.model_name = served_model_name
-        app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()])
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()],
+                         tool_call_parser)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
         logger.info("Serving %s at http://%s:%d/v1 from the backends at %s (routing: %s).", model_info.model_name,
                     host, port, backend, routing)
@@ -353,6 +395,14 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
             raise port_error(host, port, "--port")
     finally:
         await router.close()
+
+
+def uvicorn_log_config() -> dict:
+    """uvicorn's logging, with a timestamp on every line (like the rest of Tandem's logs)."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
+                        help="format of tool calls in the model's replies (default: auto, from the chat template)")
     return parser
 
 
@@ -397,7 +449,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
                         args.backend_timeout, args.shutdown_timeout, args.log_level, args.routing,
-                        args.routing_prefix_tokens))
+                        args.routing_prefix_tokens, args.tool_call_parser))
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

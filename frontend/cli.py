@@ -33,6 +33,7 @@ from backend.config import EngineConfig
 from backend.errors import TandemError
 from backend.ports import PortInUseError, check_port_free
 from backend.request import SamplingParams
+from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 POLL_INTERVAL_S = 0.2
 INSTANCE_ENV = "TANDEM_INSTANCE_ID"  # the frontend echoes it on /health, in INSTANCE_HEADER
@@ -136,7 +137,8 @@ def serve(args: argparse.Namespace) -> int:
                     "--shutdown-timeout", str(args.shutdown_timeout)]
     frontend_argv = [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{args.grpc_port}",
                      "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
-                     "--backend-timeout", "0"]  # we watch the backend process ourselves
+                     "--backend-timeout", "0",  # we watch the backend process ourselves
+                     "--tool-call-parser", args.tool_call_parser]
     # The frontend echoes this on /health: "serving" is announced only when our own frontend
     # answers, never another server that happens to hold the port.
     instance_id = secrets.token_hex(8)
@@ -242,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds running requests get to finish on SIGINT/SIGTERM")
+    serve_parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
+                              help="format of tool calls in the model's replies (default: auto, from the "
+                                   "chat template)")
     serve_parser.set_defaults(handler=serve)
 
     commands.add_parser("backend", add_help=False, help="the gRPC backend alone (see `tandem backend --help`)")

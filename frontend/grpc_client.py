@@ -76,12 +76,28 @@ def sampling_params_to_proto(params: SamplingParams) -> engine_pb2.SamplingParam
         n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+        min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        logprob_token_ids=params.logprob_token_ids or (), use_beam_search=params.use_beam_search,
+        length_penalty=params.length_penalty)
     # None means "unset" on the wire, which is these fields' None on the backend.
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)
+    constraint = params.structured_outputs
+    if constraint is not None:
+        wire = message.structured_outputs
+        wire.disable_any_whitespace = constraint.disable_any_whitespace
+        if constraint.json is not None:
+            wire.json_schema = constraint.json
+        elif constraint.json_object:
+            wire.json_object.SetInParent()
+        elif constraint.regex is not None:
+            wire.regex = constraint.regex
+        elif constraint.choice is not None:
+            wire.choice.choices.extend(constraint.choice)
+        else:
+            wire.grammar = constraint.grammar
     return message
 
 
@@ -170,6 +186,11 @@ class GrpcEngineClient:
     async def get_load(self) -> EngineLoad:
         load = await self._unary(self._engine.GetLoad, engine_pb2.GetLoadRequest())
         return EngineLoad(load.num_requests_running, load.num_requests_waiting, load.kv_cache_usage)
+
+    async def metrics_text(self) -> str:
+        """The backend's Prometheus metrics (text exposition format)."""
+        response = await self._unary(self._engine.GetMetrics, engine_pb2.GetMetricsRequest())
+        return response.prometheus_text
 
     async def health(self) -> bool:
         """True when the backend answers SERVING within ``HEALTH_TIMEOUT_S``; False otherwise."""

@@ -99,8 +99,8 @@ class SequenceDecoder:
         self._stops = StopStringMatcher(params.stop or [], params.include_stop_str_in_output)
         self.text = ""
         self.token_ids: list[int] = []
-        self.logprobs: Optional[list[PositionLogprobs]] = [] if params.logprobs is not None else None
-        self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+        self.logprobs: Optional[list[PositionLogprobs]] = [] if params.wants_logprobs else None
+        self.cumulative_logprob: Optional[float] = 0.0 if params.wants_logprobs else None
         self.finish_reason: Optional[str] = None
         self.stop_reason: Union[int, str, None] = None
 

@@ -38,7 +38,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator, Optional
 
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from backend.errors import InvalidRequestError, TandemError
@@ -56,6 +58,7 @@ CHECK_INTERVAL_S = 1.0
 UNHEALTHY_AFTER_CHECKS = 2  # failed checks in a row that take a backend out (a refused call: at once)
 ADMIT_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 2.0
+METRICS_TIMEOUT_S = 5.0  # a backend's GetMetrics; one that is late is left out of that scrape
 RESOLVE_INTERVAL_S = 5.0
 
 
@@ -403,6 +406,38 @@ class Router:
     def collector(self) -> Collector:
         """A Prometheus collector of the router's state, read at scrape time."""
         return _RouterCollector(self)
+
+    async def metrics_text(self) -> str:
+        """The usable backends' engine metrics (``GetMetrics``) as one Prometheus text exposition,
+        every sample labelled with its ``backend`` address, so several backends' families merge
+        instead of repeating. A backend that fails or is late is left out (logged)."""
+        backends = [b for b in self.backends.values() if b.usable]
+        texts = await asyncio.gather(*(asyncio.wait_for(b.client.metrics_text(), METRICS_TIMEOUT_S)
+                                       for b in backends), return_exceptions=True)
+        families: dict[str, Metric] = {}
+        for backend, text in zip(backends, texts):
+            if isinstance(text, (TandemError, asyncio.TimeoutError)):
+                logger.warning("Could not fetch the metrics of backend %s: %s", backend.address,
+                               text or "timed out")
+                continue
+            if isinstance(text, BaseException):
+                raise text
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation,
+                                                                 family.type, family.unit))
+                merged.samples.extend(sample._replace(labels={**sample.labels, "backend": backend.address})
+                                      for sample in family.samples)
+        return generate_latest(_Families(list(families.values()))).decode()
+
+
+class _Families(Collector):
+    """Metric families already collected (what ``generate_latest`` renders)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
 
 
 class _RouterCollector(Collector):

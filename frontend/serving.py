@@ -35,12 +35,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerFast
 
 from backend.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TandemError
-from backend.request import ModelInfo, PositionLogprobs, SamplingParams
+from backend.request import ModelInfo, PositionLogprobs, SamplingParams, StructuredOutputsParams
 from frontend import protocol as P
 from frontend.engine_client import EngineClient
 from frontend.grpc_client import BackendOverloadedError
 from frontend.outputs import RequestOutputBuilder, TextDelta
 from frontend.tokenizer import decode_token, encode_prompt, render_chat
+from frontend.tool_calls import (ToolReply, check_tools, choose_parser, constrained_tool_schema,
+                                 messages_for_template, template_supports_tools)
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,11 @@ class _EngineRun:
         self.params = params
         self.first_choice = first_choice  # choice index of sequence 0 (vLLM: prompt_index * n)
         self.builder = RequestOutputBuilder(tokenizer, request_id, prompt.text, prompt.token_ids, params)
+        self.echo_only = False  # completions' echo with max_tokens=0: the generated token is dropped
+        # Chat: the reply's role, vLLM's echo prefix, and each sequence's tool-call handling.
+        self.role = "assistant"
+        self.echo_text = ""
+        self.replies: list[ToolReply] = []
 
     async def deltas(self, client: EngineClient) -> AsyncIterator["_Event"]:
         """(this run, sequence index, what that sequence added), until every sequence ended."""
@@ -214,7 +221,11 @@ def _finite(logprob: float) -> float:
     return _MIN_LOGPROB if math.isnan(logprob) else max(logprob, _MIN_LOGPROB)
 
 
-def _token_text(tokenizer: PreTrainedTokenizerFast, token_id: int, position: Optional[PositionLogprobs]) -> str:
+def _token_text(tokenizer: PreTrainedTokenizerFast, token_id: int, position: Optional[PositionLogprobs],
+                as_ids: bool = False) -> str:
+    """A token's text in logprobs; ``as_ids`` (return_tokens_as_token_ids): ``token_id:<id>``."""
+    if as_ids:
+        return f"token_id:{token_id}"
     logprob = position.get(token_id) if position is not None else None
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
@@ -222,19 +233,20 @@ def _token_text(tokenizer: PreTrainedTokenizerFast, token_id: int, position: Opt
 
 
 def completion_logprobs(tokenizer: PreTrainedTokenizerFast, token_ids: list[int],
-                        positions: list[Optional[PositionLogprobs]], initial_offset: int) -> P.CompletionLogProbs:
+                        positions: list[Optional[PositionLogprobs]], initial_offset: int,
+                        as_ids: bool = False) -> P.CompletionLogProbs:
     """OpenAI's legacy format. ``top_logprobs`` holds the chosen token and the top-k, as vLLM's;
     a position without logprobs (the prompt's first token) has None."""
     result = P.CompletionLogProbs()
     offset = initial_offset
     for token_id, position in zip(token_ids, positions):
-        token = _token_text(tokenizer, token_id, position)
+        token = _token_text(tokenizer, token_id, position, as_ids)
         if position is None:
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
             result.token_logprobs.append(_finite(position[token_id].logprob))
-            result.top_logprobs.append({_token_text(tokenizer, tid, position): _finite(lp.logprob)
+            result.top_logprobs.append({_token_text(tokenizer, tid, position, as_ids): _finite(lp.logprob)
                                         for tid, lp in position.items()})
         result.tokens.append(token)
         result.text_offset.append(offset)
@@ -243,14 +255,14 @@ def completion_logprobs(tokenizer: PreTrainedTokenizerFast, token_ids: list[int]
 
 
 def chat_logprobs(tokenizer: PreTrainedTokenizerFast, token_ids: list[int],
-                  positions: list[PositionLogprobs], num_top: int) -> P.ChatCompletionLogProbs:
+                  positions: list[PositionLogprobs], num_top: int, as_ids: bool = False) -> P.ChatCompletionLogProbs:
     """OpenAI's chat format: each token with its ``num_top`` most likely alternatives."""
     content = []
     for token_id, position in zip(token_ids, positions):
-        token = _token_text(tokenizer, token_id, position)
+        token = _token_text(tokenizer, token_id, position, as_ids)
         ranked = sorted(position.items(), key=lambda item: (-item[1].logprob, item[0]))[:num_top]
         top = [P.ChatCompletionTopLogprob(token=text, logprob=_finite(lp.logprob), bytes=list(text.encode()))
-               for text, lp in ((_token_text(tokenizer, tid, position), lp) for tid, lp in ranked)]
+               for text, lp in ((_token_text(tokenizer, tid, position, as_ids), lp) for tid, lp in ranked)]
         content.append(P.ChatCompletionLogprobContent(
             token=token, logprob=_finite(position[token_id].logprob), bytes=list(token.encode()), top_logprobs=top))
     return P.ChatCompletionLogProbs(content=content)
@@ -259,14 +271,29 @@ def chat_logprobs(tokenizer: PreTrainedTokenizerFast, token_ids: list[int],
 # ---- the serving logic -----------------------------------------------------------------------
 
 
+def _prompt_logprobs_json(positions: Optional[list]) -> P.Logprobs:
+    """vLLM's prompt_logprobs: per prompt position (the first is null) token ID -> logprob."""
+    if positions is None:
+        return None
+    return [None if position is None else
+            {token_id: P.PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+             for token_id, lp in position.items()} for position in positions]
+
+
 class OpenAIServing:
-    """The OpenAI endpoints' logic over one ``EngineClient`` and the backend's tokenizer."""
+    """The OpenAI endpoints' logic over one ``EngineClient`` and the backend's tokenizer.
+
+    ``tool_call_parser``: the format of tool calls in the model's replies
+    (``frontend.tool_calls``; "auto" picks it from the chat template).
+    """
 
     def __init__(self, engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast,
-                 model_info: ModelInfo) -> None:
+                 model_info: ModelInfo, tool_call_parser: str = "auto") -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.tool_call_parser = choose_parser(tool_call_parser, tokenizer.chat_template)
+        self.num_in_flight = 0  # generation requests being answered (/load)
 
     @property
     def model_name(self) -> str:
@@ -275,22 +302,37 @@ class OpenAIServing:
     # ---- endpoints ----
 
     def models(self) -> P.ModelList:
-        return P.ModelList(data=[P.ModelCard(id=self.model_name, root=self.model_name,
-                                             max_model_len=self.model_info.max_model_len)])
+        return P.ModelList(data=[self.model_card(self.model_name)])
+
+    def model_card(self, model_id: str) -> P.ModelCard:
+        if model_id != self.model_name:
+            raise ModelNotFoundError(f"The model `{model_id}` does not exist.")
+        return P.ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.model_info.max_model_len)
 
     async def create_completion(self, request: P.CompletionRequest, raw_request: Request) -> Response:
-        self._check_model(request.model)
-        prompts = self._completion_prompts(request.prompt)
+        self._check_request(request)
+        if request.max_tokens == 0 and not request.echo:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 is only for echo, to score the prompt).",
+                                      param="max_tokens")
+        prompts = self._completion_prompts(request.prompt, request.add_special_tokens is not False)
+        prompts = [self._truncate(prompt, request.truncate_prompt_tokens) for prompt in prompts]
         # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
         explicit = "max_tokens" in request.model_fields_set
-        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        base_id = f"cmpl-{uuid.uuid4().hex}"
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = request.logprobs
+        base_id = f"cmpl-{request.request_id or uuid.uuid4().hex}"
         runs = []
         for i, prompt in enumerate(prompts):
-            max_tokens = self._max_tokens(request.max_tokens if explicit else None, len(prompt.token_ids),
+            requested = request.max_tokens if explicit else None
+            if requested == 0:  # echo only: one token is generated and dropped (max_tokens is at least 1)
+                requested = 1
+            max_tokens = self._max_tokens(requested, len(prompt.token_ids),
                                           default=None if explicit else request.max_tokens, prompt_param="prompt")
-            params = self._sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
-            runs.append(_EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n))
+            params = self._sampling_params(request, max_tokens, request.logprobs, prompt_logprobs, None)
+            run = _EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n)
+            run.echo_only = request.max_tokens == 0
+            runs.append(run)
         if request.stream:
             return await self._stream(raw_request, runs, lambda first, events: self._completion_chunks(
                 request, base_id, runs, first, events))
@@ -298,48 +340,91 @@ class OpenAIServing:
         return self._json(self._completion_response(request, base_id, runs))
 
     async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request) -> Response:
-        self._check_model(request.model)
+        self._check_request(request)
         if request.top_logprobs is not None and request.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}.",
                                       param="top_logprobs")
         if request.top_logprobs and not request.logprobs:
             raise InvalidRequestError("When using `top_logprobs`, `logprobs` must be set to true.",
                                       param="top_logprobs")
-        text = render_chat(self.tokenizer, request.messages, request.add_generation_prompt, request.chat_template,
-                           request.continue_final_message, **(request.chat_template_kwargs or {}))
-        prompt = _Prompt(text, encode_prompt(self.tokenizer, text, add_special_tokens=False))
+        if request.logprob_token_ids is not None and not request.logprobs:
+            raise InvalidRequestError("When using `logprob_token_ids`, `logprobs` must be set to true.",
+                                      param="logprob_token_ids")
+        named = check_tools(request.tools, request.tool_choice)
+        tool_mode = named and "named" or request.tool_choice or ("auto" if request.tools else "none")
+        constraint = None
+        if tool_mode in ("required", "named"):
+            if request.response_format is not None or request.structured_outputs is not None:
+                raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with "
+                                          "response_format or structured_outputs.", param="tool_choice")
+            schema = constrained_tool_schema(request.tools, named, request.parallel_tool_calls)
+            constraint = StructuredOutputsParams(json=schema)
+        supports_tools = template_supports_tools(request.chat_template or self.tokenizer.chat_template)
+        messages = messages_for_template(request.messages, request.tools, supports_tools)
+        text = render_chat(self.tokenizer, messages, request.add_generation_prompt, request.chat_template,
+                           request.continue_final_message, tools=request.tools if supports_tools else None,
+                           **(request.chat_template_kwargs or {}))
+        prompt = self._truncate(_Prompt(text, encode_prompt(self.tokenizer, text,
+                                                            add_special_tokens=bool(request.add_special_tokens))),
+                                request.truncate_prompt_tokens)
         # vLLM: max_completion_tokens wins; neither given means all the room left.
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt.token_ids), default=None, prompt_param="messages")
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._sampling_params(request, max_tokens, logprobs, None)
-        base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        runs = [_EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0)]
+        logprobs = (request.top_logprobs or 0) if request.logprobs and request.logprob_token_ids is None else None
+        params = self._sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, constraint)
+        base_id = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
+        run = _EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0)
+        run.replies = [ToolReply(tool_mode, self.tool_call_parser, named) for _ in range(params.n)]
+        role = "assistant" if request.add_generation_prompt else str(request.messages[-1].get("role", "assistant"))
+        run.role = role
+        last = request.messages[-1] if request.messages else {}
+        run.echo_text = str(last.get("content") or "") if request.echo and last.get("role") == role else ""
+        runs = [run]
         if request.stream:
             return await self._stream(raw_request, runs, lambda first, events: self._chat_chunks(
                 request, base_id, runs, first, events))
         await _unless_disconnected(raw_request, self._collect(runs))
         return self._json(self._chat_response(request, base_id, runs))
 
-    def tokenize(self, request: P.TokenizeRequest) -> P.TokenizeResponse:
+    async def tokenize(self, request: P.TokenizeRequest) -> P.TokenizeResponse:
         self._check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
         if request.messages is not None:
-            text = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
+            supports_tools = template_supports_tools(request.chat_template or self.tokenizer.chat_template)
+            check_tools(request.tools, None)
+            messages = messages_for_template(request.messages, request.tools, supports_tools)
+            text = render_chat(self.tokenizer, messages, request.add_generation_prompt, request.chat_template,
                                continue_final_message=request.continue_final_message,
+                               tools=request.tools if supports_tools else None,
                                **(request.chat_template_kwargs or {}))
             add_special_tokens = bool(request.add_special_tokens)
         else:
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
         tokens = encode_prompt(self.tokenizer, text, add_special_tokens=add_special_tokens)
-        return P.TokenizeResponse(count=len(tokens), max_model_len=self.model_info.max_model_len, tokens=tokens)
+        token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return P.TokenizeResponse(count=len(tokens), max_model_len=self.model_info.max_model_len, tokens=tokens,
+                                  token_strs=token_strs)
 
     def detokenize(self, request: P.DetokenizeRequest) -> P.DetokenizeResponse:
         self._check_model(request.model)
         self._check_token_ids(request.tokens, param="tokens")
         return P.DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+
+    def tokenizer_info(self) -> P.TokenizerInfoResponse:
+        """The tokenizer's configuration, as vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it)."""
+        tokenizer = self.tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            info[key] = getattr(tokenizer, key, None)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            info[key] = getattr(tokenizer, key, None)
+        info.update(model_max_length=self.model_info.max_model_len, chat_template=tokenizer.chat_template,
+                    add_bos_token=getattr(tokenizer, "add_bos_token", None), vocab_size=len(tokenizer),
+                    padding_side=tokenizer.padding_side, truncation_side=tokenizer.truncation_side,
+                    clean_up_tokenization_spaces=tokenizer.clean_up_tokenization_spaces)
+        return P.TokenizerInfoResponse(**info)
 
     # ---- request -> engine ----
 
@@ -347,13 +432,36 @@ class OpenAIServing:
         if name and name != self.model_name:  # omitted or empty: the served model, as vLLM
             raise ModelNotFoundError(f"The model `{name}` does not exist.")
 
+    def _check_request(self, request: P.SamplingFields) -> None:
+        """The checks both generation endpoints share, before any work."""
+        self._check_model(request.model)
+        for name, reason in P.UNSUPPORTED_FIELDS.items():
+            value = getattr(request, name, None)
+            if value is not None and not (name == "priority" and value == 0):
+                raise InvalidRequestError(f"{reason}; leave `{name}` out.", param=name)
+        if request.stream_options is not None and not request.stream:
+            raise InvalidRequestError("stream_options can only be set with stream=true.", param="stream_options")
+        if request.response_format is not None and request.structured_outputs is not None:
+            raise InvalidRequestError("Give response_format or structured_outputs, not both.",
+                                      param="response_format")
+        if request.stop_token_ids:
+            self._check_token_ids(request.stop_token_ids, param="stop_token_ids")
+        if request.logprob_token_ids:
+            self._check_token_ids(request.logprob_token_ids, param="logprob_token_ids")
+        if request.best_of is not None:
+            if request.best_of < request.n:
+                raise InvalidRequestError(f"best_of must be at least n={request.n}, got {request.best_of}.",
+                                          param="best_of")
+            if request.stream and request.best_of > request.n and not request.use_beam_search:
+                raise InvalidRequestError("best_of > n cannot be streamed.", param="best_of")
+
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.model_info.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"Token ID {bad} is out of vocabulary (size {vocab_size}).", param=param)
 
-    def _completion_prompts(self, prompt: Union[str, list]) -> list[_Prompt]:
+    def _completion_prompts(self, prompt: Union[str, list], add_special_tokens: bool = True) -> list[_Prompt]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif not prompt:
@@ -365,13 +473,26 @@ class OpenAIServing:
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(_Prompt(item, encode_prompt(self.tokenizer, item)))
+                prompts.append(_Prompt(item, encode_prompt(self.tokenizer, item, add_special_tokens)))
             else:
                 self._check_token_ids(item, param="prompt")
                 prompts.append(_Prompt(None, list(item)))
             if not prompts[-1].token_ids:
                 raise InvalidRequestError("The prompt is empty.", param="prompt")
         return prompts
+
+    def _truncate(self, prompt: _Prompt, keep: Optional[int]) -> _Prompt:
+        """truncate_prompt_tokens: the last ``keep`` tokens (-1: max_model_len); None: as it is."""
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.model_info.max_model_len
+        if keep < 1:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}.",
+                                      param="truncate_prompt_tokens")
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        return _Prompt(None, prompt.token_ids[-keep:])  # its text is now that of the tokens kept
 
     def _max_tokens(self, requested: Optional[int], prompt_len: int, default: Optional[int],
                     prompt_param: str) -> int:
@@ -393,18 +514,47 @@ class OpenAIServing:
         return room if default is None else min(default, room)
 
     @staticmethod
-    def _sampling_params(request: P.SamplingFields, max_tokens: int, logprobs: Optional[int],
-                         prompt_logprobs: Optional[int]) -> SamplingParams:
+    def _structured_outputs(request: P.SamplingFields) -> Optional[StructuredOutputsParams]:
+        """response_format (OpenAI's) or structured_outputs (vLLM's) as the engine's constraint."""
+        fmt = request.response_format
+        if fmt is not None:
+            if fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format of type json_schema needs json_schema.schema.",
+                                          param="response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if request.structured_outputs is not None:
+            return StructuredOutputsParams.coerce(request.structured_outputs.model_dump(by_alias=True,
+                                                                                        exclude_none=True))
+        return None
+
+    def _sampling_params(self, request: P.SamplingFields, max_tokens: int, logprobs: Optional[int],
+                         prompt_logprobs: Optional[int],
+                         constraint: Optional[StructuredOutputsParams]) -> SamplingParams:
+        if constraint is None:
+            constraint = self._structured_outputs(request)
+        n = request.n
+        if request.best_of is not None:
+            n = request.best_of  # best_of sequences run; the n most likely are returned
+            if not request.use_beam_search and logprobs is None and request.logprob_token_ids is None:
+                logprobs = 0  # to rank them by cumulative logprob (not returned unless asked)
         fields: dict[str, Any] = dict(
-            n=request.n, max_tokens=max_tokens, min_tokens=request.min_tokens, seed=request.seed,
+            n=n, max_tokens=max_tokens, min_tokens=request.min_tokens, seed=request.seed,
             stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output)
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logprob_token_ids=request.logprob_token_ids, structured_outputs=constraint,
+            use_beam_search=request.use_beam_search, length_penalty=request.length_penalty)
         for name in _SAMPLING_DEFAULTS:  # None: the engine's default
             value = getattr(request, name)
             if value is not None:
                 fields[name] = value
+        if request.use_beam_search:
+            fields.pop("temperature", None)  # beams are ranked by raw logprobs: temperature changes nothing
         return SamplingParams(**fields)  # checks every value, naming the parameter
 
     # ---- engine -> response ----
@@ -413,17 +563,23 @@ class OpenAIServing:
         return _merge([run.deltas(self.engine_client) for run in runs])
 
     async def _collect(self, runs: list[_EngineRun]) -> None:
-        async with contextlib.aclosing(self._events(runs)) as events:
-            async for _ in events:
-                pass
+        self.num_in_flight += 1
+        try:
+            async with contextlib.aclosing(self._events(runs)) as events:
+                async for _ in events:
+                    pass
+        finally:
+            self.num_in_flight -= 1
 
     async def _stream(self, raw_request: Request, runs: list[_EngineRun],
                       chunks: Callable[[Optional[_Event], AsyncIterator[_Event]], AsyncIterator[str]]) -> Response:
         """Wait for the first delta (errors until then get their HTTP status), then stream SSE."""
         events = self._events(runs)
+        self.num_in_flight += 1
         try:
             first = await _unless_disconnected(raw_request, anext(events, None))
         except BaseException:
+            self.num_in_flight -= 1
             await events.aclose()
             raise
         return StreamingResponse(self._sse_stream(chunks(first, events), events),
@@ -439,11 +595,14 @@ class OpenAIServing:
         except Exception as error:  # noqa: BLE001 -- reported to the client in the stream
             _, body = error_of_exception(error)
             yield _sse(body)
+        finally:
+            self.num_in_flight -= 1
         yield _SSE_DONE
 
     def _usage(self, runs: list[_EngineRun]) -> P.UsageInfo:
         prompt_tokens = sum(len(run.prompt.token_ids) for run in runs)
-        completion_tokens = sum(len(seq.token_ids) for run in runs for seq in run.builder.sequences)
+        completion_tokens = sum(0 if run.echo_only else len(seq.token_ids)
+                                for run in runs for seq in run.builder.sequences)
         cached = sum(run.builder.num_cached_tokens for run in runs)
         return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            total_tokens=prompt_tokens + completion_tokens,
@@ -461,23 +620,40 @@ class OpenAIServing:
         positions = run.builder.prompt_logprobs
         return list(positions) if positions is not None else [None] * len(run.prompt.token_ids)
 
+    @staticmethod
+    def _chosen(request: P.SamplingFields, run: _EngineRun, outputs: list) -> list:
+        """The sequences to return: all, or with best_of the n most likely (beam search's come ranked)."""
+        if request.best_of is None or request.best_of == request.n:
+            return outputs
+        if not request.use_beam_search:
+            outputs = sorted(outputs, key=lambda seq: seq.cumulative_logprob or 0.0, reverse=True)
+        return outputs[:request.n]
+
     def _completion_response(self, request: P.CompletionRequest, base_id: str,
                              runs: list[_EngineRun]) -> P.CompletionResponse:
         choices = []
+        as_ids = request.return_tokens_as_token_ids
         for run in runs:
-            for seq in run.builder.build().outputs:
+            for rank, seq in enumerate(self._chosen(request, run, run.builder.build().outputs)):
                 text, token_ids, positions = seq.text, seq.token_ids, seq.logprobs
+                finish_reason = seq.finish_reason
+                if run.echo_only:
+                    text, token_ids, positions, finish_reason = "", [], [] if positions is not None else None, "length"
                 if request.echo:
                     text = self._echo_text(run) + text
                     if positions is not None:
                         token_ids = run.prompt.token_ids + token_ids
                         positions = self._echo_logprobs(run) + positions
                 logprobs = None
-                if request.logprobs is not None:
-                    logprobs = completion_logprobs(self.tokenizer, token_ids, positions, 0)
+                if request.logprobs is not None or request.logprob_token_ids is not None:
+                    logprobs = completion_logprobs(self.tokenizer, token_ids, positions, 0, as_ids)
                 choices.append(P.CompletionResponseChoice(
-                    index=run.first_choice + seq.index, text=text, logprobs=logprobs,
-                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                    index=run.first_choice + rank, text=text, logprobs=logprobs,
+                    finish_reason=finish_reason, stop_reason=None if run.echo_only else seq.stop_reason,
+                    token_ids=(seq.token_ids if not run.echo_only else []) if request.return_token_ids else None,
+                    prompt_token_ids=run.prompt.token_ids if request.return_token_ids else None,
+                    prompt_logprobs=_prompt_logprobs_json(run.builder.prompt_logprobs)
+                    if request.prompt_logprobs is not None else None))
         return P.CompletionResponse(id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs))
 
     async def _completion_chunks(self, request: P.CompletionRequest, base_id: str, runs: list[_EngineRun],
@@ -485,11 +661,20 @@ class OpenAIServing:
         created = int(time.time())
         echoed: set[int] = set()
         streamed_chars: dict[int, int] = {}  # vLLM's text_offset base of each choice's next chunk
+        as_ids = request.return_tokens_as_token_ids
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
         async for run, seq_index, delta in _prepend(first, events):
+            if seq_index >= request.n:  # beam search: only the best n beams are returned
+                continue
             choice = run.first_choice + seq_index
             text, token_ids, positions = delta.text, delta.token_ids, delta.logprobs
-            if request.echo and choice not in echoed:
-                echoed.add(choice)
+            finish_reason = delta.finish_reason
+            if run.echo_only:
+                text, token_ids, positions = "", [], [] if positions is not None else None
+                finish_reason = "length" if delta.finished else None
+            first_of_choice = choice not in echoed
+            echoed.add(choice)
+            if request.echo and first_of_choice:
                 text = self._echo_text(run) + text
                 if positions is not None:
                     token_ids = run.prompt.token_ids + token_ids
@@ -497,50 +682,103 @@ class OpenAIServing:
             if not text and not delta.finished and not (positions and token_ids):
                 continue
             logprobs = None
-            if request.logprobs is not None:
-                logprobs = completion_logprobs(self.tokenizer, token_ids, positions, streamed_chars.get(choice, 0))
+            if request.logprobs is not None or request.logprob_token_ids is not None:
+                logprobs = completion_logprobs(self.tokenizer, token_ids, positions, streamed_chars.get(choice, 0),
+                                               as_ids)
             streamed_chars[choice] = streamed_chars.get(choice, 0) + len(text)
             yield _sse(P.CompletionStreamResponse(
                 id=base_id, created=created, model=self.model_name,
-                choices=[P.CompletionResponseChoice(index=choice, text=text, logprobs=logprobs,
-                                                    finish_reason=delta.finish_reason,
-                                                    stop_reason=delta.stop_reason)]))
+                choices=[P.CompletionResponseChoice(
+                    index=choice, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                    stop_reason=None if run.echo_only else delta.stop_reason,
+                    token_ids=(delta.token_ids if not run.echo_only else []) if request.return_token_ids else None,
+                    prompt_token_ids=run.prompt.token_ids if request.return_token_ids and first_of_choice else None,
+                    prompt_logprobs=_prompt_logprobs_json(run.builder.prompt_logprobs)
+                    if request.prompt_logprobs is not None and first_of_choice else None)],
+                usage=self._usage(runs) if continuous else None))
         if request.stream_options is not None and request.stream_options.include_usage:
             yield _sse(P.CompletionStreamResponse(id=base_id, created=created, model=self.model_name, choices=[],
                                                   usage=self._usage(runs)))
 
     def _chat_response(self, request: P.ChatCompletionRequest, base_id: str,
                        runs: list[_EngineRun]) -> P.ChatCompletionResponse:
+        (run,) = runs
         choices = []
-        for seq in runs[0].builder.build().outputs:
+        as_ids = request.return_tokens_as_token_ids
+        for rank, seq in enumerate(self._chosen(request, run, run.builder.build().outputs)):
             logprobs = None
             if request.logprobs:
-                logprobs = chat_logprobs(self.tokenizer, seq.token_ids, seq.logprobs, request.top_logprobs or 0)
+                num_top = request.top_logprobs or 0
+                if request.logprob_token_ids is not None:
+                    num_top = len(request.logprob_token_ids) + 1
+                logprobs = chat_logprobs(self.tokenizer, seq.token_ids, seq.logprobs, num_top, as_ids)
+            content, calls = run.replies[seq.index].whole(seq.text)
+            finish_reason = seq.finish_reason
+            if calls and finish_reason == "stop":
+                finish_reason = run.replies[seq.index].finish_reason_with_calls
+            if content is not None and run.echo_text:
+                content = run.echo_text + content
+            message = P.ChatMessage(role=run.role, content=content, tool_calls=[
+                P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
             choices.append(P.ChatCompletionResponseChoice(
-                index=seq.index, message=P.ChatMessage(role="assistant", content=seq.text), logprobs=logprobs,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        return P.ChatCompletionResponse(id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs))
+                index=rank, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                stop_reason=seq.stop_reason, token_ids=seq.token_ids if request.return_token_ids else None))
+        return P.ChatCompletionResponse(
+            id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs),
+            prompt_logprobs=_prompt_logprobs_json(run.builder.prompt_logprobs)
+            if request.prompt_logprobs is not None else None,
+            prompt_token_ids=run.prompt.token_ids if request.return_token_ids else None)
 
     async def _chat_chunks(self, request: P.ChatCompletionRequest, base_id: str, runs: list[_EngineRun],
                            first: Optional[_Event], events: AsyncIterator[_Event]) -> AsyncIterator[str]:
+        (run,) = runs
         created = int(time.time())
+        as_ids = request.return_tokens_as_token_ids
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
 
-        def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None) -> str:
+        def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None,
+                  prompt_token_ids: Optional[list[int]] = None) -> str:
+            if usage is None and continuous and choices:
+                usage = self._usage(runs)
             return _sse(P.ChatCompletionStreamResponse(id=base_id, created=created, model=self.model_name,
-                                                       choices=choices, usage=usage))
+                                                       choices=choices, usage=usage,
+                                                       prompt_token_ids=prompt_token_ids))
 
-        # OpenAI's first chunk of each choice carries the role and no text.
+        def tool_deltas(pieces) -> Optional[list[P.DeltaToolCall]]:
+            if not pieces:
+                return None
+            return [P.DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
+                                    function=P.FunctionCall(name=name, arguments=arguments))
+                    for i, call_id, name, arguments in pieces]
+
+        # OpenAI's first chunk of each choice carries the role (and vLLM's echo).
         for index in range(request.n):
-            yield chunk([P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(role="assistant", content=""))])
+            yield chunk([P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(
+                role=run.role, content=run.echo_text))],
+                prompt_token_ids=run.prompt.token_ids if request.return_token_ids and index == 0 else None)
         async for _run, index, delta in _prepend(first, events):
-            if not delta.text and not delta.finished and not (request.logprobs and delta.token_ids):
+            if index >= request.n:  # beam search: only the best n beams are returned
+                continue
+            reply = run.replies[index]
+            content, pieces = reply.push(delta.text)
+            finish_reason = delta.finish_reason
+            if delta.finished:
+                more_content, more_pieces = reply.finish()
+                content, pieces = content + more_content, pieces + more_pieces
+                if reply.num_calls and finish_reason == "stop":
+                    finish_reason = reply.finish_reason_with_calls
+            if not content and not pieces and not delta.finished and not (request.logprobs and delta.token_ids):
                 continue
             logprobs = None
             if request.logprobs:
-                logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, request.top_logprobs or 0)
+                num_top = request.top_logprobs or 0
+                if request.logprob_token_ids is not None:
+                    num_top = len(request.logprob_token_ids) + 1
+                logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, num_top, as_ids)
             yield chunk([P.ChatCompletionStreamChoice(
-                index=index, delta=P.DeltaMessage(content=delta.text or None), logprobs=logprobs,
-                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                index=index, delta=P.DeltaMessage(content=content or None, tool_calls=tool_deltas(pieces)),
+                logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason,
+                token_ids=delta.token_ids if request.return_token_ids else None)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], self._usage(runs))
 
@@ -551,4 +789,3 @@ async def _prepend(first: Optional[T], rest: AsyncIterator[T]) -> AsyncIterator[
     yield first
     async for item in rest:
         yield item
-

@@ -90,8 +90,8 @@ class FakeEngine:
                         finish = FinishReason.LENGTH
                     done[index] = finish is not None
                     logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = [self.position_logprobs(token, params.logprobs)]
+                    if params.wants_logprobs:
+                        logprobs = [self.position_logprobs(token, params.logprobs or 0)]
                     prompt_logprobs = None
                     if step == 0 and params.prompt_logprobs is not None:
                         prompt_logprobs = [None] + [self.position_logprobs(t, params.prompt_logprobs)
@@ -311,8 +311,7 @@ def test_completion_passes_every_sampling_field(client, engine):
         "prompt": "Hi", "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 2,
         "ignore_eos": True, "stop_token_ids": [7], "seed": 1234, "skip_special_tokens": False,
-        "spaces_between_special_tokens": False, "include_stop_str_in_output": True, "stop": "zzz",
-        "unknown_field_is_ignored": 1})
+        "spaces_between_special_tokens": False, "include_stop_str_in_output": True, "stop": "zzz"})
     assert response.status_code == 200, response.text
     params = engine.requests[0][2]
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.7, 0.9, 5, 0.1)
@@ -378,7 +377,9 @@ def test_chat_completion_renders_the_template_and_defaults_max_tokens_to_the_roo
     assert engine.requests[0][2].max_tokens == MAX_MODEL_LEN - len(prompt_ids)
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     (choice,) = body["choices"]
-    assert choice["message"] == {"role": "assistant", "content": SCRIPT}
+    assert choice["message"] == {"role": "assistant", "content": SCRIPT, "tool_calls": [], "refusal": None,
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "reasoning_content": None}
     assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
 
 
@@ -619,7 +620,7 @@ def test_api_key(engine, tokenizer):
 def test_tokenize_and_detokenize(client, tokenizer):
     body = client.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert body == {"tokens": tokenizer.encode("Hello world"), "count": len(tokenizer.encode("Hello world")),
-                    "max_model_len": MAX_MODEL_LEN}
+                    "max_model_len": MAX_MODEL_LEN, "token_strs": None}
     chat = client.post("/tokenize", json={"messages": CHAT}).json()
     assert tokenizer.decode(chat["tokens"]).endswith("<|im_start|>assistant\n") and chat["count"] == len(chat["tokens"])
     assert client.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "Hello world"}

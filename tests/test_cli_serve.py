@@ -344,3 +344,18 @@ def test_a_dying_backend_stops_the_frontend_and_fails(tmp_path):
         assert "no-such-model" in output  # the backend said why
     finally:
         stop(process, signal.SIGKILL)
+
+
+def test_one_scrape_of_the_frontend_gives_http_and_engine_metrics(served):
+    greedy_completion(served.client(), served.model, "Metrics, please", 3)
+    with urllib.request.urlopen(f"{served.base_url}/metrics", timeout=5) as response:
+        families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+    for name in ("tandem:http_requests", "tandem:num_requests_running", "tandem:kv_cache_usage_perc",
+                 "tandem:prefix_cache_queries", "tandem:prefix_cache_hits", "tandem:cache_config_info",
+                 "tandem:inter_token_latency_seconds", "tandem:request_params_n",
+                 "tandem:request_params_max_tokens", "tandem:request_decode_time_seconds"):
+        assert name in families, name
+    queries = [s.value for s in families["tandem:prefix_cache_queries"].samples if s.name.endswith("_total")]
+    assert queries and queries[0] > 0
+    (config,) = families["tandem:cache_config_info"].samples
+    assert config.labels["enable_prefix_caching"] == "True" and config.value == 1

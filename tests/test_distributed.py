@@ -143,6 +143,26 @@ def test_speculative_drafts_are_verified_on_every_rank(tiny_checkpoint):
     assert engine.num_draft_tokens_total > 0 and engine.num_accepted_tokens_total > 0
 
 
+def test_structured_outputs_constrain_the_sampling_rank(tiny_checkpoint):
+    """The step's grammar masks travel in the step delta to the rank that samples: TP=2 gives
+    the single worker's constrained tokens (which the random model never produces unmasked)."""
+    model_dir = tiny_checkpoint("llama")
+    specs = [{"regex": r"[0-9]{3}-[a-z]{2}"}, {"choice": ["Paris", "Lyon", "Nice café"]}]
+    prompts = random_prompts([4, 6], 384, seed=9)
+    expected, got = [], []
+    for tp, out in ((1, expected), (2, got)):
+        engine = make_engine(model_dir, tensor_parallel_size=tp, max_model_len=256)
+        try:
+            for spec in specs:
+                out.append(run_engine(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                                      structured_outputs=spec)))
+        finally:
+            engine.shutdown()
+    assert got == expected
+    free = run_and_stop(model_dir, prompts[:1], SamplingParams(temperature=0.0, max_tokens=6))[0][0]
+    assert expected[0][0][:6] != free  # the mask did change the tokens
+
+
 # ---- faults --------------------------------------------------------------------------------------
 
 

@@ -169,7 +169,9 @@ def test_generate_request_with_every_field_set_round_trips():
         n=3, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, seed=-(2**40),
         presence_penalty=-0.5, frequency_penalty=1.5, repetition_penalty=1.1,
         max_tokens=128, min_tokens=4, stop_token_ids=[2, 50256], ignore_eos=True,
-        logprobs=0, prompt_logprobs=5,
+        logprobs=0, prompt_logprobs=5, logprob_token_ids=[7, 9], use_beam_search=True, length_penalty=0.5,
+        structured_outputs=engine_pb2.StructuredOutputs(
+            choice=engine_pb2.Choice(choices=["yes", "no"]), disable_any_whitespace=True),
     )
     request = engine_pb2.GenerateRequest(request_id="cmpl-1", prompt_token_ids=[1, 4093, 2**32 - 1],
                                          sampling_params=params)
@@ -259,4 +261,4 @@ def test_stubs_stream_generate_and_serve_beside_health_and_reflection(echo_serve
         "tandem.engine.v1.EngineService")
     assert reflected.name == "tandem/engine/v1/engine.proto"
     assert [m.name for m in reflected.service[0].method] == [
-        "Generate", "Abort", "GetModelInfo", "GetTokenizer", "GetLoad"]
+        "Generate", "Abort", "GetModelInfo", "GetTokenizer", "GetLoad", "GetMetrics"]

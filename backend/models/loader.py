@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -282,6 +283,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
 
     announce(f"Converting {gguf_file.name} to a Hugging Face directory (once, ~20 s for a small "
              "model) ...")
+    start = time.monotonic()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
@@ -311,6 +313,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     if max_length:
         tokenizer.model_max_length = max_length
     tokenizer.save_pretrained(str(out_dir))
+    announce(f"Converted {gguf_file.name} in {time.monotonic() - start:.0f} s.")
 
 
 def _gguf_target(gguf_file: Path, cache_dir: Path) -> Path:

@@ -24,43 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/engine/v1/engine.proto\x12\x10tandem.engine.v1\"z\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.engine.v1.SamplingParams\"\xd3\x03\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\":\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\"m\n\x10PositionLogprobs\x12(\n\x05token\x18\x01 \x01(\x0b\x32\x19.tandem.engine.v1.Logprob\x12/\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x19.tandem.engine.v1.Logprob\"G\n\x0ePromptLogprobs\x12\x35\n\tpositions\x18\x01 \x03(\x0b\x32\".tandem.engine.v1.PositionLogprobs\"\xe7\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x38\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\".tandem.engine.v1.PositionLogprobs\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x08 \x01(\r\x12\x39\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32 .tandem.engine.v1.PromptLogprobsB\x10\n\x0e_stop_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xfc\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x08 \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\x15\n\x13GetTokenizerRequest\"Z\n\x14GetTokenizerResponse\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x11\n\tfile_size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x10\n\x0eGetLoadRequest\"e\n\x0fGetLoadResponse\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbe\x03\n\rEngineService\x12S\n\x08Generate\x12!.tandem.engine.v1.GenerateRequest\x1a\".tandem.engine.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.tandem.engine.v1.AbortRequest\x1a\x1f.tandem.engine.v1.AbortResponse\x12]\n\x0cGetModelInfo\x12%.tandem.engine.v1.GetModelInfoRequest\x1a&.tandem.engine.v1.GetModelInfoResponse\x12_\n\x0cGetTokenizer\x12%.tandem.engine.v1.GetTokenizerRequest\x1a&.tandem.engine.v1.GetTokenizerResponse0\x01\x12N\n\x07GetLoad\x12 .tandem.engine.v1.GetLoadRequest\x1a!.tandem.engine.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/engine/v1/engine.proto\x12\x10tandem.engine.v1\"z\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.engine.v1.SamplingParams\"\xf8\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\x19\n\x11logprob_token_ids\x18\x10 \x03(\r\x12?\n\x12structured_outputs\x18\x11 \x01(\x0b\x32#.tandem.engine.v1.StructuredOutputs\x12\x17\n\x0fuse_beam_search\x18\x12 \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x13 \x01(\x01H\x08\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x11\n\x0f_length_penalty\"\xdd\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x33\n\x0bjson_object\x18\x02 \x01(\x0b\x32\x1c.tandem.engine.v1.JsonObjectH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.tandem.engine.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x0c\n\nJsonObject\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\":\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\"m\n\x10PositionLogprobs\x12(\n\x05token\x18\x01 \x01(\x0b\x32\x19.tandem.engine.v1.Logprob\x12/\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x19.tandem.engine.v1.Logprob\"G\n\x0ePromptLogprobs\x12\x35\n\tpositions\x18\x01 \x03(\x0b\x32\".tandem.engine.v1.PositionLogprobs\"\xe7\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x38\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\".tandem.engine.v1.PositionLogprobs\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x08 \x01(\r\x12\x39\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32 .tandem.engine.v1.PromptLogprobsB\x10\n\x0e_stop_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xfc\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x08 \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\x15\n\x13GetTokenizerRequest\"Z\n\x14GetTokenizerResponse\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x11\n\tfile_size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x10\n\x0eGetLoadRequest\"e\n\x0fGetLoadResponse\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\"\x13\n\x11GetMetricsRequest\"-\n\x12GetMetricsResponse\x12\x17\n\x0fprometheus_text\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x97\x04\n\rEngineService\x12S\n\x08Generate\x12!.tandem.engine.v1.GenerateRequest\x1a\".tandem.engine.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.tandem.engine.v1.AbortRequest\x1a\x1f.tandem.engine.v1.AbortResponse\x12]\n\x0cGetModelInfo\x12%.tandem.engine.v1.GetModelInfoRequest\x1a&.tandem.engine.v1.GetModelInfoResponse\x12_\n\x0cGetTokenizer\x12%.tandem.engine.v1.GetTokenizerRequest\x1a&.tandem.engine.v1.GetTokenizerResponse0\x01\x12N\n\x07GetLoad\x12 .tandem.engine.v1.GetLoadRequest\x1a!.tandem.engine.v1.GetLoadResponse\x12W\n\nGetMetrics\x12#.tandem.engine.v1.GetMetricsRequest\x1a$.tandem.engine.v1.GetMetricsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1819
-  _globals['_FINISHREASON']._serialized_end=1939
+  _globals['_FINISHREASON']._serialized_start=2317
+  _globals['_FINISHREASON']._serialized_end=2437
   _globals['_GENERATEREQUEST']._serialized_start=51
   _globals['_GENERATEREQUEST']._serialized_end=173
   _globals['_SAMPLINGPARAMS']._serialized_start=176
-  _globals['_SAMPLINGPARAMS']._serialized_end=643
-  _globals['_LOGPROB']._serialized_start=645
-  _globals['_LOGPROB']._serialized_end=703
-  _globals['_POSITIONLOGPROBS']._serialized_start=705
-  _globals['_POSITIONLOGPROBS']._serialized_end=814
-  _globals['_PROMPTLOGPROBS']._serialized_start=816
-  _globals['_PROMPTLOGPROBS']._serialized_end=887
-  _globals['_GENERATERESPONSE']._serialized_start=890
-  _globals['_GENERATERESPONSE']._serialized_end=1249
-  _globals['_ABORTREQUEST']._serialized_start=1251
-  _globals['_ABORTREQUEST']._serialized_end=1286
-  _globals['_ABORTRESPONSE']._serialized_start=1288
-  _globals['_ABORTRESPONSE']._serialized_end=1303
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1305
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1326
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1329
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1581
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1583
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1604
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1606
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1696
-  _globals['_GETLOADREQUEST']._serialized_start=1698
-  _globals['_GETLOADREQUEST']._serialized_end=1714
-  _globals['_GETLOADRESPONSE']._serialized_start=1716
-  _globals['_GETLOADRESPONSE']._serialized_end=1817
-  _globals['_ENGINESERVICE']._serialized_start=1942
-  _globals['_ENGINESERVICE']._serialized_end=2388
+  _globals['_SAMPLINGPARAMS']._serialized_end=808
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=811
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1032
+  _globals['_JSONOBJECT']._serialized_start=1034
+  _globals['_JSONOBJECT']._serialized_end=1046
+  _globals['_CHOICE']._serialized_start=1048
+  _globals['_CHOICE']._serialized_end=1073
+  _globals['_LOGPROB']._serialized_start=1075
+  _globals['_LOGPROB']._serialized_end=1133
+  _globals['_POSITIONLOGPROBS']._serialized_start=1135
+  _globals['_POSITIONLOGPROBS']._serialized_end=1244
+  _globals['_PROMPTLOGPROBS']._serialized_start=1246
+  _globals['_PROMPTLOGPROBS']._serialized_end=1317
+  _globals['_GENERATERESPONSE']._serialized_start=1320
+  _globals['_GENERATERESPONSE']._serialized_end=1679
+  _globals['_ABORTREQUEST']._serialized_start=1681
+  _globals['_ABORTREQUEST']._serialized_end=1716
+  _globals['_ABORTRESPONSE']._serialized_start=1718
+  _globals['_ABORTRESPONSE']._serialized_end=1733
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1735
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1756
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1759
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2011
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2013
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2034
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2036
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2126
+  _globals['_GETLOADREQUEST']._serialized_start=2128
+  _globals['_GETLOADREQUEST']._serialized_end=2144
+  _globals['_GETLOADRESPONSE']._serialized_start=2146
+  _globals['_GETLOADRESPONSE']._serialized_end=2247
+  _globals['_GETMETRICSREQUEST']._serialized_start=2249
+  _globals['_GETMETRICSREQUEST']._serialized_end=2268
+  _globals['_GETMETRICSRESPONSE']._serialized_start=2270
+  _globals['_GETMETRICSRESPONSE']._serialized_end=2315
+  _globals['_ENGINESERVICE']._serialized_start=2440
+  _globals['_ENGINESERVICE']._serialized_end=2975
 # @@protoc_insertion_point(module_scope)

@@ -60,6 +60,11 @@ class EngineServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/GetMetrics',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -104,6 +109,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMetrics(self, request, context):
+        """The backend's Prometheus metrics, so a frontend's /metrics can serve
+        them beside its own HTTP metrics in one scrape.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +287,33 @@ class EngineService:
             '/tandem.engine.v1.EngineService/GetLoad',
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/GetMetrics',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,
