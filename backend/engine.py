@@ -53,13 +53,11 @@ class LLMEngine:
         self.config = config.resolve()
         self.limits = limits or Limits()
         self.executor = create_executor(config)
-        num_blocks = self.executor.determine_num_blocks()
-        if num_blocks * config.block_size < config.max_model_len:
-            raise InvalidRequestError(
-                f"The KV cache holds {num_blocks * config.block_size} tokens, fewer than "
-                f"max_model_len ({config.max_model_len}); raise the KV-cache budget or lower "
-                "max_model_len.", param="max_model_len")
-        self.executor.init_kv_cache(num_blocks)
+        try:
+            num_blocks = self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # no worker outlives a failed start
+            raise
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
@@ -80,6 +78,16 @@ class LLMEngine:
         self.num_accepted_tokens_total = 0
         logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens", config.served_model_name,
                     config.torch_dtype_name, num_blocks, config.block_size)
+
+    def _init_kv_cache(self) -> int:
+        num_blocks = self.executor.determine_num_blocks()
+        if num_blocks * self.config.block_size < self.config.max_model_len:
+            raise InvalidRequestError(
+                f"The KV cache holds {num_blocks * self.config.block_size} tokens, fewer than "
+                f"max_model_len ({self.config.max_model_len}); raise the KV-cache budget or lower "
+                "max_model_len.", param="max_model_len")
+        self.executor.init_kv_cache(num_blocks)
+        return num_blocks
 
     # ---- requests -------------------------------------------------------------------
 
@@ -363,6 +371,8 @@ class AsyncLLMEngine:
         self._wakeup: Optional[asyncio.Event] = None
         self.dead_error: Optional[BaseException] = None
         self.dead = asyncio.Event()  # set (on the engine's loop) when a step fails
+        # A worker can die between steps too: fail the streams as soon as the executor knows.
+        self.engine.executor.add_failure_callback(self._on_executor_failure)
 
     # ---- EngineClient ----------------------------------------------------------------
 
@@ -462,10 +472,7 @@ class AsyncLLMEngine:
                 results = await loop.run_in_executor(self._thread, self._step)
             except Exception as e:  # the engine is broken: fail every stream, refuse new ones
                 logger.exception("Engine step failed")
-                self.dead_error = e
-                for queue in self._streams.values():
-                    queue.put_nowait(EngineDeadError(f"The engine stopped after an error: {e}"))
-                self.dead.set()
+                self._die(e)
                 return
             for item in results:
                 if isinstance(item, tuple):
@@ -477,6 +484,25 @@ class AsyncLLMEngine:
                 queue = self._streams.get(item.request_id)
                 if queue is not None:
                     queue.put_nowait(item)
+
+    def _die(self, error: BaseException) -> None:
+        """On the event loop: refuse new requests and end every open stream with ``error``."""
+        if self.dead_error is None:
+            self.dead_error = error
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(f"The engine stopped after an error: {self.dead_error}"))
+        self.dead.set()
+
+    def _on_executor_failure(self, error: BaseException) -> None:
+        """From an executor thread: a worker died."""
+        if self.dead_error is None:
+            self.dead_error = error
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._die, error)
+            except RuntimeError:  # the loop closed meanwhile: nothing left to tell
+                pass
 
     def shutdown(self) -> None:
         if self._task is not None and not self._task.done() and self._loop is not None:

@@ -33,3 +33,7 @@ class OverloadedError(TandemError):
 
 class RequestTimeoutError(TandemError):
     """The request did not finish before its deadline (gRPC DEADLINE_EXCEEDED, HTTP 504)."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A worker process (or Ray actor) died or failed: the engine cannot step any more."""

@@ -67,6 +67,7 @@ SERVICE_NAME = SERVICE.full_name
 TOKENIZER_CHUNK_BYTES = 1024 * 1024  # the proto's per-chunk maximum
 ERROR_PARAM_METADATA_KEY = "tandem-error-param"
 DEFAULT_MAX_CONNECTION_AGE_S = 300.0
+ENGINE_HEALTH_POLL_S = 0.5
 
 _FINISH_REASON_TO_PROTO = {
     None: engine_pb2.FINISH_REASON_UNSPECIFIED,
@@ -532,10 +533,16 @@ class BackendServer:
             except OSError as error:
                 await self._server.stop(grace=None)
                 raise port_error(self.metrics_host, self.metrics_port, "--metrics-port", error) from None
-        self._watcher = asyncio.create_task(self._watch_engine())
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
 
     async def _watch_engine(self) -> None:
-        await self.engine.dead.wait()
+        """Health tells the truth: NOT_SERVING as soon as the engine is dead (a step failed, or a
+        worker died: then only ``health()`` may know, hence the poll)."""
+        while await self.engine.health():
+            try:
+                await asyncio.wait_for(self.engine.dead.wait(), ENGINE_HEALTH_POLL_S)
+            except asyncio.TimeoutError:
+                pass
         logger.error("The engine died (%s): health is NOT_SERVING.", self.engine.dead_error)
         self.metrics.observe_engine_error()
         await self.health.enter_graceful_shutdown()
