@@ -5,18 +5,52 @@ token slots; a request owns a list of block IDs (its block table) and token
 ``p`` of the request lives in slot ``block_ids[p // block_size] * block_size +
 p % block_size``.
 
-Prefix caching: a full block is named by a chained hash of (hash of the block
-before it, the block's token IDs), so equal hashes mean equal prefixes. Blocks
-whose ref count drops to zero keep their hash and stay findable until the free
-list hands them out again, oldest first (LRU).
+Prefix caching: a full block is named by a chained digest of (the digest of
+the block before it, the block's token IDs), so equal digests mean equal
+prefixes. The digest is cryptographic (BLAKE2b, 256 bits): a crafted prompt
+cannot collide with another user's prefix and be served their KV cache, as it
+could with Python's 64-bit ``hash`` (vLLM's CVE-2025-25183). The chain starts
+from a root key of the request's ``cache_salt``, so tenants with different
+salts never share a block. Blocks whose ref count drops to zero keep their
+digest and stay findable until the free list hands them out again, oldest
+first (LRU).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Optional, Sequence
 
 from backend.request import Request
+
+BLOCK_KEY_BYTES = 32  # 256-bit digests: 128-bit collision resistance
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=BLOCK_KEY_BYTES).digest()
+
+
+def root_key(cache_salt: Optional[str] = None, extra_keys: bytes = b"") -> bytes:
+    """The parent key of a request's first block: its salt and any other keys that must
+    match for two prefixes to share KV (a future LoRA or image digest goes in ``extra_keys``).
+
+    Each part is length-prefixed, so no two (salt, extra) pairs give the same input.
+    """
+    salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode()
+    parts = (b"tandem/prefix-cache/v1", salt, extra_keys)
+    return _digest(b"".join(len(part).to_bytes(8, "little") + part for part in parts))
+
+
+_UNSALTED_ROOT = root_key()
+
+
+def hash_block(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of one full block: BLAKE2b-256 over the parent's key (32 bytes) and the block's
+    token IDs as uint32s (native order: keys never leave the process). The parent's fixed
+    length frames the input."""
+    return _digest(parent_key + array("I", token_ids).tobytes())
 
 
 class KVBlock:
@@ -25,15 +59,10 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: Optional[int] = None
+        self.block_hash: Optional[bytes] = None
 
     def __repr__(self) -> str:
         return f"KVBlock({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
-
-
-def hash_block(parent_hash: Optional[int], token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block. Python's tuple hash of ints is stable within a process."""
-    return hash((parent_hash, tuple(token_ids)))
 
 
 class BlockManager:
@@ -50,7 +79,7 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, in the order they are handed out (front first).
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block ID
+        self.cached_blocks: dict[bytes, int] = {}  # block key -> block ID
         self.req_blocks: dict[str, list[int]] = {}
         self.req_num_hashed_blocks: dict[str, int] = {}  # leading blocks already registered
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
@@ -76,7 +105,12 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            if hashes:
+                parent = hashes[-1]
+            elif request.cache_salt is None:
+                parent = _UNSALTED_ROOT
+            else:
+                parent = root_key(request.cache_salt)
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

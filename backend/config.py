@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,9 @@ FIELD_HELP = {
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the two above)",
     "tensor_parallel_size": "GPUs (or CPU workers) one layer is split over",
     "pipeline_parallel_size": "stages the layers are split into",
-    "distributed_executor_backend": f"one of {', '.join(EXECUTORS)} (default: uni for one worker, else mp)",
+    "distributed_executor_backend": f"one of {', '.join(EXECUTORS)} (default: uni for one worker; "
+                                    "ray once this process joined Ray or the GPUs are not all on "
+                                    "this machine; else mp)",
     "download_dir": "where fetched and converted models live (default: $TANDEM_CACHE or ~/.cache/tandem)",
     "quantization": f"weight quantization: one of {', '.join(QUANTIZATIONS)} (weight-only, CPU, float32 "
                     "activations) (default: the checkpoint's precision)",
@@ -65,6 +68,31 @@ FIELD_HELP = {
                           '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                           '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\' (default: off)',
 }
+
+
+def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type, names: list[str],
+                           help_texts: Optional[dict[str, str]] = None) -> None:
+    """One ``--flag-name`` per named field of dataclass ``cls``, typed from its annotation.
+
+    ``Optional[X]`` parses X (None is simply the default); bools get ``--x/--no-x``. Each help
+    text is ``help_texts[name]`` (else the name in words) plus the default, unless it names one.
+    """
+    defaults = cls()
+    hints = typing.get_type_hints(cls)
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        kind = next((t for t in typing.get_args(hints[name]) if t is not type(None)), hints[name])
+        help_text = (help_texts or {}).get(name, name.replace("_", " "))
+        if "(default:" not in help_text:
+            shown = ("on" if default else "off") if kind is bool else default
+            help_text += f" (default: {shown})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif kind is dict:
+            parser.add_argument(flag, type=json.loads, default=default, metavar="JSON", help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 @dataclass
@@ -147,7 +175,8 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: Optional[str] = None  # None: "uni" for one worker, else "mp"
+    # None: chosen as vLLM does (see executor_backend).
+    distributed_executor_backend: Optional[str] = None
     download_dir: Optional[str] = None  # where fetched and converted models live
     # Weight quantization: None (the checkpoint's precision) or "int8" (weight-only, CPU).
     quantization: Optional[str] = None
@@ -204,9 +233,21 @@ class EngineConfig:
 
     @property
     def executor_backend(self) -> str:
+        """The executor to use: as given, else "uni" for one worker, "ray" when this process has
+        already initialised Ray or the world needs more GPUs than this machine has, else "mp"."""
         if self.distributed_executor_backend:
             return self.distributed_executor_backend
-        return "uni" if self.world_size == 1 else "mp"
+        if self.world_size == 1:
+            return "uni"
+        ray = sys.modules.get("ray")  # never imported just to ask
+        if ray is not None and ray.is_initialized():
+            return "ray"
+        if self.device_type == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.world_size:
+                return "ray"
+        return "mp"
 
     @property
     def cache_dir(self) -> Path:
@@ -226,6 +267,7 @@ class EngineConfig:
         self.hf_config = load_hf_config(self.model_path)
         self._resolve_device_and_dtype()
         self._resolve_max_model_len()
+        self._check_parallel_sizes()
         if self.enable_chunked_prefill is False and self.max_num_batched_tokens < self.max_model_len:
             raise InvalidRequestError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -255,6 +297,20 @@ class EngineConfig:
                 f"activations; got device {self.device_type}, dtype {self.torch_dtype_name}.",
                 param="quantization")
 
+    def _check_parallel_sizes(self) -> None:
+        """Refuse TP/PP sizes the model cannot be split by, before any worker starts."""
+        from backend.models.registry import parallel_size_problem
+
+        problem = parallel_size_problem(self.hf_config, self.tensor_parallel_size,
+                                        self.pipeline_parallel_size)
+        if problem is not None:
+            raise InvalidRequestError(problem[1], param=problem[0])
+        if self.executor_backend == "uni" and self.world_size > 1:
+            raise InvalidRequestError(
+                f"The 'uni' executor runs one worker, but tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size}; use 'mp' (one machine) or 'ray'.",
+                param="distributed_executor_backend")
+
     def _resolve_max_model_len(self) -> None:
         cfg = self.hf_config
         limit = None
@@ -274,6 +330,12 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}) is larger than the model's maximum "
                 f"length ({limit}).", param="max_model_len")
 
+    def for_workers(self) -> "EngineConfig":
+        """This resolved config, light to send to worker processes (see PlainModelConfig)."""
+        from backend.models.loader import PlainModelConfig
+
+        return dataclasses.replace(self, hf_config=PlainModelConfig(self.hf_config, self.model_path))
+
     @classmethod
     def field_names(cls) -> list[str]:
         """The user-settable fields (the ones ``LLM(...)`` and the CLI accept)."""
@@ -285,25 +347,7 @@ class EngineConfig:
         if with_model:
             parser.add_argument("model", nargs="?", default=None,
                                 help="HF directory, .gguf file or hub name (default: SmolLM2-135M-Instruct)")
-        defaults = cls()
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if not f.repr or f.name == "model":
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = getattr(defaults, f.name)
-            # Optional[X] -> X: the flag parses the value type, None is simply the default.
-            kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
-            text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
-            if "(default:" not in text:
-                text += f" (default: {default})"
-            if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                    help=text.replace(f"(default: {default})", f"(default: {'on' if default else 'off'})"))
-            elif kind is dict:
-                parser.add_argument(flag, type=json.loads, default=default, metavar="JSON", help=text)
-            else:
-                parser.add_argument(flag, type=kind, default=default, help=text)
+        add_dataclass_cli_args(parser, cls, [name for name in cls.field_names() if name != "model"], FIELD_HELP)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -8,6 +8,7 @@ emits ``EngineOutput`` deltas; finished requests free their blocks.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import EngineDeadError, InvalidRequestError
 from backend.executor import create_executor
+from backend.limits import Limits
 from backend.request import (EngineLoad, EngineOutput, FinishReason, ModelInfo, Request,
                              SamplingParams)
 from backend.scheduler import Scheduler
@@ -26,9 +28,6 @@ from backend.spec_decode import NgramProposer
 from backend.structured_output import GrammarViolation, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default)
-MAX_LOGPROB_TOKEN_IDS = 128  # tokens a request may ask logprobs of by ID (each costs a vocab-wide rank)
 
 
 def _eos_token_ids(config: EngineConfig) -> list[int]:
@@ -50,16 +49,15 @@ def _eos_token_ids(config: EngineConfig) -> list[int]:
 class LLMEngine:
     """The engine core. Not thread-safe: one caller drives ``add_request``/``step``."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, limits: Optional[Limits] = None) -> None:
         self.config = config.resolve()
+        self.limits = limits or Limits()
         self.executor = create_executor(config)
-        num_blocks = self.executor.determine_num_blocks()
-        if num_blocks * config.block_size < config.max_model_len:
-            raise InvalidRequestError(
-                f"The KV cache holds {num_blocks * config.block_size} tokens, fewer than "
-                f"max_model_len ({config.max_model_len}); raise the KV-cache budget or lower "
-                "max_model_len.", param="max_model_len")
-        self.executor.init_kv_cache(num_blocks)
+        try:
+            num_blocks = self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # no worker outlives a failed start
+            raise
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
@@ -68,6 +66,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.children: dict[str, list[str]] = {}  # parent request ID -> its sequences' IDs
+        self.deadlines: list[tuple[float, str]] = []  # heap of (time.monotonic() deadline, parent ID)
         self.beams: dict[str, BeamSearch] = {}  # beam-search request ID -> its search
         self.structured_output = StructuredOutputManager(str(config.tokenizer_path), self.vocab_size,
                                                          self.eos_token_ids)
@@ -79,6 +78,16 @@ class LLMEngine:
         self.num_accepted_tokens_total = 0
         logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens", config.served_model_name,
                     config.torch_dtype_name, num_blocks, config.block_size)
+
+    def _init_kv_cache(self) -> int:
+        num_blocks = self.executor.determine_num_blocks()
+        if num_blocks * self.config.block_size < self.config.max_model_len:
+            raise InvalidRequestError(
+                f"The KV cache holds {num_blocks * self.config.block_size} tokens, fewer than "
+                f"max_model_len ({self.config.max_model_len}); raise the KV-cache budget or lower "
+                "max_model_len.", param="max_model_len")
+        self.executor.init_kv_cache(num_blocks)
+        return num_blocks
 
     # ---- requests -------------------------------------------------------------------
 
@@ -95,26 +104,22 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(
                 f"Token ID {bad[0]} is out of vocabulary (size {self.vocab_size}).", param="prompt")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.",
-                                          param=name)
+        self.limits.check_sampling_params(params)
         for name in ("stop_token_ids", "logprob_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"{name} holds token ID {bad[0]}, outside the vocabulary "
                                           f"(size {self.vocab_size}).", param=name)
-        if params.logprob_token_ids is not None and len(params.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
-            raise InvalidRequestError(f"logprob_token_ids may list at most {MAX_LOGPROB_TOKEN_IDS} tokens, "
-                                      f"got {len(params.logprob_token_ids)}.", param="logprob_token_ids")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: Optional[float] = None, grammar: object = None) -> None:
+                    arrival_time: Optional[float] = None, grammar: object = None, deadline: Optional[float] = None,
+                    cache_salt: Optional[str] = None) -> None:
         """Queue a request (``params.n`` sequences). Raises InvalidRequestError for bad input.
 
         ``grammar``: ``params.structured_outputs`` compiled already (``compile_async``);
         without it a constrained request is compiled here, on the caller's thread.
+        ``deadline`` (``time.monotonic()`` seconds): ``abort_expired`` ends the request then.
+        ``cache_salt``: only requests with the same salt share cached prefix blocks.
         """
         if request_id in self.children:
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
@@ -138,7 +143,10 @@ class LLMEngine:
                 self.structured_output.add(child_id, grammar)
             self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,
                                                self.eos_token_id, parent_id=request_id,
-                                               index=index, arrival_time=arrival_time))
+                                               index=index, arrival_time=arrival_time,
+                                               cache_salt=cache_salt, deadline=deadline))
+        if deadline is not None:
+            heapq.heappush(self.deadlines, (deadline, request_id))
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests (all their sequences) and free their blocks; unknown IDs are ignored."""
@@ -148,6 +156,29 @@ class LLMEngine:
                 request = self.scheduler.requests.get(child_id)
                 if request is not None:
                     self._finish(request, FinishReason.ABORT)
+
+    def abort_expired(self, now: Optional[float] = None) -> list[EngineOutput]:
+        """Abort the requests whose deadline has passed (freeing their blocks); their
+        sequences' final ABORT outputs."""
+        now = time.monotonic() if now is None else now
+        outputs: list[EngineOutput] = []
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self.deadlines)
+            children = [self.scheduler.requests.get(child_id) for child_id in self.children.get(request_id, ())]
+            # None: finished already; a later deadline: a new request that reuses the ID.
+            children = [child for child in children if child is not None and child.deadline <= now]
+            if not children:
+                continue
+            for child in children:
+                outputs.append(EngineOutput(request_id=request_id, index=child.index, new_token_ids=[],
+                                            finish_reason=FinishReason.ABORT,
+                                            num_prompt_tokens=child.num_prompt_tokens,
+                                            num_cached_tokens=max(child.num_cached_tokens, 0)))
+            self.abort_request([request_id])
+        if len(self.deadlines) > 2 * len(self.children) + 64:  # drop entries of finished requests
+            self.deadlines = [(d, r) for d, r in self.deadlines if r in self.children]
+            heapq.heapify(self.deadlines)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -321,36 +352,42 @@ class AsyncLLMEngine:
     that thread, so the engine core is only ever touched by it.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, limits: Optional[Limits] = None) -> None:
         # Every torch call of the engine, model loading included, runs on this one thread: a
         # second thread running torch ops gets an OpenMP team of its own, and two teams on a
         # few cores slow each other down (measured: 1.7x slower steps on 2 cores).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
         try:
-            self.engine = self._thread.submit(LLMEngine, config).result()
+            self.engine = self._thread.submit(LLMEngine, config, limits).result()
         except BaseException:
             self._thread.shutdown(wait=False)
             raise
         self._lock = threading.Lock()
-        # (request ID, prompt, params, arrival time, compiled grammar or None)
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, float, object]] = []
+        self._pending_adds: list[tuple] = []  # LLMEngine.add_request's arguments
         self._pending_aborts: list[str] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self._wakeup: Optional[asyncio.Event] = None
         self.dead_error: Optional[BaseException] = None
+        self.dead = asyncio.Event()  # set (on the engine's loop) when a step fails
+        # A worker can die between steps too: fail the streams as soon as the executor knows.
+        self.engine.executor.add_failure_callback(self._on_executor_failure)
 
     # ---- EngineClient ----------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       deadline: Optional[float] = None,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[EngineOutput]:
+        """``deadline``: ``time.monotonic()`` seconds after which the engine aborts the request
+        (its sequences end with ABORT); ``cache_salt``: see ``LLMEngine.add_request``."""
         if self.dead_error is not None:
             raise EngineDeadError(f"The engine stopped after an error: {self.dead_error}")
         if request_id in self._streams:
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.",
                                       param="request_id")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params)  # here, so bad input never reaches the engine thread
+        self.engine.limits.check_cache_salt(cache_salt)
         arrival = time.monotonic()
         grammar = None
         if params.structured_outputs is not None:  # off the engine thread; errors before queueing
@@ -361,7 +398,8 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         with self._lock:
-            self._pending_adds.append((request_id, list(prompt_token_ids), params, arrival, grammar))
+            self._pending_adds.append((request_id, list(prompt_token_ids), params, arrival, grammar, deadline,
+                                       cache_salt))
         self._ensure_loop()
         remaining = params.n
         try:
@@ -407,14 +445,15 @@ class AsyncLLMEngine:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
         errors = []
-        for request_id, prompt, params, arrival, grammar in adds:
+        for args in adds:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival, grammar)
+                self.engine.add_request(*args)
             except InvalidRequestError as e:
-                errors.append((request_id, e))
+                errors.append((args[0], e))
         self.engine.abort_request(aborts)
+        expired = self.engine.abort_expired()
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        return errors + outputs
+        return errors + expired + outputs
 
     def _has_work(self) -> bool:
         with self._lock:
@@ -433,9 +472,7 @@ class AsyncLLMEngine:
                 results = await loop.run_in_executor(self._thread, self._step)
             except Exception as e:  # the engine is broken: fail every stream, refuse new ones
                 logger.exception("Engine step failed")
-                self.dead_error = e
-                for queue in self._streams.values():
-                    queue.put_nowait(EngineDeadError(f"The engine stopped after an error: {e}"))
+                self._die(e)
                 return
             for item in results:
                 if isinstance(item, tuple):
@@ -447,6 +484,25 @@ class AsyncLLMEngine:
                 queue = self._streams.get(item.request_id)
                 if queue is not None:
                     queue.put_nowait(item)
+
+    def _die(self, error: BaseException) -> None:
+        """On the event loop: refuse new requests and end every open stream with ``error``."""
+        if self.dead_error is None:
+            self.dead_error = error
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(f"The engine stopped after an error: {self.dead_error}"))
+        self.dead.set()
+
+    def _on_executor_failure(self, error: BaseException) -> None:
+        """From an executor thread: a worker died."""
+        if self.dead_error is None:
+            self.dead_error = error
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._die, error)
+            except RuntimeError:  # the loop closed meanwhile: nothing left to tell
+                pass
 
     def shutdown(self) -> None:
         if self._task is not None and not self._task.done() and self._loop is not None:

@@ -24,3 +24,16 @@ class ModelNotFoundError(TandemError, ValueError):
 
 class EngineDeadError(TandemError, RuntimeError):
     """The engine loop stopped after an internal error (gRPC UNAVAILABLE, HTTP 503)."""
+
+
+class OverloadedError(TandemError):
+    """Admission control refused the request: too many in flight; retry later or elsewhere
+    (gRPC RESOURCE_EXHAUSTED, HTTP 429 with Retry-After)."""
+
+
+class RequestTimeoutError(TandemError):
+    """The request did not finish before its deadline (gRPC DEADLINE_EXCEEDED, HTTP 504)."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A worker process (or Ray actor) died or failed: the engine cannot step any more."""

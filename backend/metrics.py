@@ -116,6 +116,16 @@ class EngineMetrics:
         self._prefix_cache_hits = Counter(
             "tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
             ["model_name"], registry=self.registry).labels(model_name)
+        self._rejected = Counter(
+            "tandem:grpc_errors", "gRPC calls ended with an error status, by method and status code "
+            "(invalid_argument, resource_exhausted = admission control, unavailable, unauthenticated, ...).",
+            ["model_name", "method", "code"], registry=self.registry)
+        self._deadline_expired = Counter(
+            "tandem:request_deadline_expired", "Generate calls cut off by their deadline.", ["model_name"],
+            registry=self.registry).labels(model_name)
+        self._engine_errors = Counter(
+            "tandem:engine_errors", "Engine steps that failed (each one kills the engine).", ["model_name"],
+            registry=self.registry).labels(model_name)
 
     def observe_first_token(self, seconds: float) -> None:
         self._time_to_first_token.observe(seconds)
@@ -145,6 +155,15 @@ class EngineMetrics:
         self._request_prompt_tokens.observe(num_prompt_tokens)
         self._request_generation_tokens.observe(num_generation_tokens)
         self._request_success.labels(self._model_name, finished_reason).inc()
+
+    def observe_rejected(self, method: str, code: str) -> None:
+        self._rejected.labels(self._model_name, method, code).inc()
+
+    def observe_deadline_expired(self) -> None:
+        self._deadline_expired.inc()
+
+    def observe_engine_error(self) -> None:
+        self._engine_errors.inc()
 
     def start_http_server(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on a thread; returns the bound port (port 0 picks a free one)."""

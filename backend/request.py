@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -107,6 +108,9 @@ class StructuredOutputsParams:
         raise InvalidRequestError("structured_outputs must be an object.", param="structured_outputs")
 
 
+_REAL_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (vLLM's names and defaults).
@@ -160,6 +164,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"n must be at least 1, got {self.n}.")
+        for name in _REAL_PARAMS:  # JSON and protobuf both carry NaN and infinities
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"{name} must be a finite number, got {getattr(self, name)}.")
         if self.temperature < 0.0:
             bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -281,6 +288,8 @@ class Request:
         parent_id: Optional[str] = None,
         index: int = 0,
         arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -289,13 +298,15 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.cache_salt = cache_salt  # keys its prefix-cache blocks apart from other salts
+        self.deadline = deadline if deadline is not None else math.inf  # time.monotonic() seconds
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []  # chained hashes of full blocks, see BlockManager
+        self.block_hashes: list[bytes] = []  # chained digests of full blocks, see BlockManager
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []

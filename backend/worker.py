@@ -1,21 +1,32 @@
-"""A worker: one per device. Sets the device up and owns that device's model runner."""
+"""A worker: one per device. Sets the device up, joins the TP/PP world, owns the model runner."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+from typing import Optional
 
 import torch
 
 from backend.config import EngineConfig
+from backend.distributed import destroy_distributed, init_distributed
 from backend.model_runner import ModelRunner, ModelRunnerOutput
 from backend.scheduler import SchedulerOutput
 
 
 class Worker:
-    """rank: global index among all workers; local_rank: device index on this machine."""
+    """rank: global index among all workers (see distributed.py for the layout);
+    local_rank: index on this machine, which picks the device.
 
-    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0) -> None:
+    ``distributed_init_method`` (``file://``, ``tcp://host:port`` or ``env://``) is where the
+    ranks meet; None for a world of one. ``num_threads``: torch threads on the CPU, when the
+    machine's cores are shared with other workers (see ``cpu_share``).
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: Optional[str] = None,
+                 num_threads: Optional[int] = None) -> None:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
@@ -25,6 +36,11 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             tune_glibc_malloc()
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
+        if distributed_init_method is not None:
+            init_distributed(config.tensor_parallel_size, config.pipeline_parallel_size, rank,
+                             distributed_init_method, self.device)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.device)
 
@@ -39,6 +55,16 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def shutdown(self) -> None:
+        destroy_distributed()
+
+
+def cpu_share(local_world_size: int) -> Optional[int]:
+    """Torch threads for each of ``local_world_size`` CPU workers on this machine (None: all)."""
+    if local_world_size <= 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // local_world_size)
 
 
 def tune_glibc_malloc() -> None:

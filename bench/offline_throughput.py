@@ -7,6 +7,10 @@ fresh subprocess, so no run inherits another's threads or memory.
 
     python bench/offline_throughput.py                      # default model, 64 x 128
     python bench/offline_throughput.py --hf-batch-sizes 32,64 --hf-dtypes bfloat16
+    python bench/offline_throughput.py --executor mp --skip-hf   # the mp executor's IPC cost vs uni
+
+``--executor mp`` adds a run with one worker process (TP=1) next to the in-process ``uni`` run
+and prints their ratio: what the per-step messages to a worker process cost.
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ def make_prompts(tokenizer, num_prompts: int, prompt_len: int) -> list[list[int]
     return prompts
 
 
-def bench_tandem(model, prompts, output_len: int, **engine_kwargs) -> dict:
+def bench_tandem(model, prompts, output_len: int, executor: str = "uni", **engine_kwargs) -> dict:
     from frontend import LLM, SamplingParams
 
-    llm = LLM(model=model, **engine_kwargs)
+    llm = LLM(model=model, distributed_executor_backend=executor, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -46,7 +50,8 @@ def bench_tandem(model, prompts, output_len: int, **engine_kwargs) -> dict:
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == len(prompts) * output_len
     llm.shutdown()
-    return {"name": "tandem", "dtype": llm.engine.engine.config.torch_dtype_name,
+    name = "tandem" if executor == "uni" else f"tandem-{executor}"
+    return {"name": name, "dtype": llm.engine.engine.config.torch_dtype_name,
             "seconds": elapsed, "tokens": num_tokens, "tok_per_s": num_tokens / elapsed}
 
 
@@ -77,8 +82,9 @@ def run_one(args: argparse.Namespace) -> dict:
 
     config = EngineConfig(model=args.model).resolve()
     prompts = make_prompts(load_tokenizer(str(config.tokenizer_path)), args.num_prompts, args.prompt_len)
-    if args.run == "tandem":
-        return bench_tandem(args.model, prompts, args.output_len, dtype=args.dtype)
+    if args.run.startswith("tandem"):
+        executor = args.run.partition(":")[2] or "uni"
+        return bench_tandem(args.model, prompts, args.output_len, executor, dtype=args.dtype)
     _, batch_size, dtype = args.run.split(":")
     return bench_hf(config.model_path, prompts, args.output_len, int(batch_size), dtype)
 
@@ -93,6 +99,8 @@ def main() -> None:
     parser.add_argument("--hf-dtypes", default="bfloat16,float32")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--dtype", default="auto", help="Tandem's dtype")
+    parser.add_argument("--executor", default="uni",
+                        help="Tandem's executors to run, comma-separated; uni always runs (default: uni)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one measurement, JSON on stdout
     args = parser.parse_args()
@@ -101,7 +109,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return
 
-    runs = ["tandem"]
+    runs = ["tandem"] + [f"tandem:{e}" for e in args.executor.split(",") if e and e != "uni"]
+    num_tandem = len(runs)
     if not args.skip_hf:
         runs += [f"hf:{bs}:{dtype}" for dtype in args.hf_dtypes.split(",")
                  for bs in args.hf_batch_sizes.split(",")]
@@ -122,8 +131,10 @@ def main() -> None:
     print(f"{'engine':<12} {'dtype':<10} {'seconds':>8} {'output tok/s':>13}")
     for r in results:
         print(f"{r['name']:<12} {r['dtype']:<10} {r['seconds']:>8.1f} {r['tok_per_s']:>13.1f}")
-    if len(results) > 1:
-        best_hf = max(results[1:], key=lambda r: r["tok_per_s"])
+    for r in results[1:num_tandem]:
+        print(f"\n{r['name']} / tandem (uni): {r['tok_per_s'] / results[0]['tok_per_s']:.3f}x")
+    if len(results) > num_tandem:
+        best_hf = max(results[num_tandem:], key=lambda r: r["tok_per_s"])
         ratio = results[0]["tok_per_s"] / best_hf["tok_per_s"]
         print(f"\nTandem / best HF ({best_hf['name']}, {best_hf['dtype']}): {ratio:.2f}x")
     if args.json:

@@ -8,7 +8,10 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
 /detokenize (all behind ``--api-key`` when set), and /health, /metrics,
 /version (always open). The request logic is in ``frontend.serving``; this
 module assembles the app: routes, API-key check, the one mapping of errors to
-OpenAI error JSON, request IDs and HTTP metrics.
+OpenAI error JSON, request IDs and HTTP metrics, and the edge's bounds
+(``backend.limits``): a body over ``--max-request-body-bytes`` is a 413 before
+it is parsed, and a generation request beyond ``--max-concurrent-requests``
+in flight is a 429 with ``Retry-After`` before its body is read.
 
 Requests reach the backends through ``frontend.router.Router`` (one backend or
 many). On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
@@ -47,7 +50,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerFast
 
 from backend.config import EngineConfig
-from backend.errors import InvalidRequestError, TandemError
+from backend.errors import InvalidRequestError, OverloadedError, TandemError
+from backend.limits import FRONTEND_LIMITS, Limits
 from backend.ports import check_port_free, port_error
 from backend.request import ModelInfo
 from frontend import protocol as P
@@ -59,6 +63,7 @@ from frontend.serving import (
     AuthenticationError,
     ClientDisconnectedError,
     OpenAIServing,
+    RequestTooLargeError,
     error_body,
     error_json_response,
     error_of_exception,
@@ -70,6 +75,7 @@ logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
 API_KEY_ENV = "TANDEM_API_KEY"  # read when --api-key is not given (keeps the key out of `ps`)
+BACKEND_TOKEN_ENV = "TANDEM_GRPC_TOKEN"  # read when --backend-auth-token is not given
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -95,6 +101,8 @@ class HttpMetrics:
                                  ["route", "method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.in_flight = Gauge("tandem:http_requests_in_progress", "HTTP requests being answered.",
                                registry=self.registry)
+        self.rejected = Counter("tandem:http_requests_rejected", "HTTP requests refused at the edge, by the "
+                                "limit they hit (before any work was queued).", ["limit"], registry=self.registry)
 
 
 class MetricsMiddleware:
@@ -127,6 +135,87 @@ class MetricsMiddleware:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, scope["method"], str(status)).inc()
             self.metrics.latency.labels(route, scope["method"]).observe(time.perf_counter() - start)
+
+
+async def _send_error(scope: Scope, receive: Receive, send: Send, error: TandemError, retry_after_s: int) -> None:
+    status, body = error_of_exception(error)
+    await error_json_response(status, body, retry_after_s)(scope, receive, send)
+
+
+class AdmissionMiddleware:
+    """Refuses a request to ``paths`` at once (429, ``Retry-After``) while ``limit`` are in flight.
+
+    In flight means until the response has ended, a stream included; counted
+    before the body is read, so a refused request costs next to nothing.
+    """
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str], limit: int, retry_after_s: int,
+                 metrics: "HttpMetrics") -> None:
+        self.app, self.paths, self.limit, self.retry_after_s, self.metrics = app, paths, limit, retry_after_s, metrics
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            self.metrics.rejected.labels("max_concurrent_requests").inc()
+            await _send_error(scope, receive, send, OverloadedError(
+                f"The server is answering {self.limit} generation requests, its limit "
+                "(--max-concurrent-requests); retry later."), self.retry_after_s)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+class BodySizeLimitMiddleware:
+    """Reads at most ``max_bytes`` of a request body; a larger one gets a 413 and is not parsed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: "HttpMetrics") -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send, int(declared))
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before the body arrived: let the app see it
+                chunks = None
+                first = message
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send, size)
+                return
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay() -> Message:  # the whole body once, then the client's messages (disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        self.metrics.rejected.labels("max_request_body_bytes").inc()
+        await _send_error(scope, receive, send, RequestTooLargeError(
+            f"The request body ({size} bytes or more) is larger than the server's limit of {self.max_bytes} "
+            "bytes (--max-request-body-bytes)."), 0)
 
 
 class RequestIdMiddleware:
@@ -179,7 +268,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
     return "; ".join(parts) or "Invalid request.", param
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_validation_error(request: Request, error: Exception) -> JSONResponse:
         message, param = _validation_message(error.errors())
         return error_json_response(400, error_body(400, message, param))
@@ -192,7 +281,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_error(request: Request, error: Exception) -> JSONResponse:
         status, body = error_of_exception(error)
-        return error_json_response(status, body)
+        return error_json_response(status, body, retry_after_s)
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ValidationError, on_validation_error)
@@ -205,9 +294,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 # ---- the app -----------------------------------------------------------------------------------
 
 
+# The routes that queue work on the engine: admission control counts these.
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+
+
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
                api_key: Optional[str] = None, collectors: Sequence[Collector] = (),
-               tool_call_parser: str = "auto") -> FastAPI:
+               limits: Optional[Limits] = None, tool_call_parser: str = "auto") -> FastAPI:
     """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
 
     ``/health`` asks ``engine_client.health()`` (``GrpcEngineClient`` and ``Router`` have it) and
@@ -215,7 +308,8 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     ``tandem serve`` knows the answer came from its own frontend. ``collectors`` (e.g. the
     router's) are served on ``/metrics`` with the HTTP metrics.
     """
-    serving = OpenAIServing(engine_client, tokenizer, model_info, tool_call_parser)
+    limits = limits or Limits()
+    serving = OpenAIServing(engine_client, tokenizer, model_info, limits, tool_call_parser)
     metrics = HttpMetrics()
     for collector in collectors:
         metrics.registry.register(collector)
@@ -255,9 +349,11 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def model(model_id: str) -> P.ModelCard:
         return serving.model_card(model_id)
 
-    @app.post("/tokenize", dependencies=protected)
-    async def tokenize(request: P.TokenizeRequest) -> P.TokenizeResponse:
-        return await serving.tokenize(request)
+    # Serialized by pydantic in one call: FastAPI's own encoding of a long token list takes
+    # seconds on the event loop.
+    @app.post("/tokenize", dependencies=protected, response_model=P.TokenizeResponse)
+    async def tokenize(request: P.TokenizeRequest) -> Response:
+        return Response((await serving.tokenize(request)).model_dump_json(), media_type="application/json")
 
     @app.get("/tokenizer_info", dependencies=protected)
     async def tokenizer_info() -> P.TokenizerInfoResponse:
@@ -269,7 +365,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
 
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
-        return serving.detokenize(request)
+        return await serving.detokenize(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -298,7 +394,10 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def version() -> P.VersionResponse:
         return P.VersionResponse(version=tandem_version())
 
-    _install_error_handlers(app)
+    _install_error_handlers(app, limits.retry_after_s)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes, metrics=metrics)
+    app.add_middleware(AdmissionMiddleware, paths=GENERATION_ROUTES, limit=limits.max_concurrent_requests,
+                       retry_after_s=limits.retry_after_s, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     # Added last, so outermost: it sees every response, 401s and 404s included.
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(route.path for route in app.routes))
@@ -357,14 +456,16 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
               api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info",
               routing: str = "prefix", routing_prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-              tool_call_parser: str = "auto") -> None:
+              limits: Optional[Limits] = None, security=None, tool_call_parser: str = "auto") -> None:
     """Connect to the backends of ``backend`` (``frontend.router.parse_targets``), check the
     tokenizer, serve HTTP until SIGINT/SIGTERM. Raises ``StartupError`` (or another
-    ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start."""
+    ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start.
+    ``security`` (a ``ChannelSecurity``) reaches every backend connection the router opens."""
     from frontend.grpc_client import GrpcEngineClient
 
     check_port_free(host, port, "--port")
-    router = Router(parse_targets(backend), routing, routing_prefix_tokens, client_factory=GrpcEngineClient)
+    router = Router(parse_targets(backend), routing, routing_prefix_tokens,
+                    client_factory=lambda address: GrpcEngineClient(address, limits, security))
     try:
         await router.start()
         await wait_for_backend(router, backend, backend_timeout)
@@ -384,7 +485,7 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
         if served_model_name:
             model_info.model_name = served_model_name
         app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()],
-                         tool_call_parser)
+                         limits, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
         logger.info("Serving %s at http://%s:%d/v1 from the backends at %s (routing: %s).", model_info.model_name,
@@ -429,6 +530,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    Limits.add_cli_args(parser, FRONTEND_LIMITS)
+    security = parser.add_argument_group("the backend connection's security (see `tandem backend --help`)")
+    security.add_argument("--backend-auth-token", default=os.environ.get(BACKEND_TOKEN_ENV),
+                          help=f"the backend's --auth-token (default: ${BACKEND_TOKEN_ENV})")
+    security.add_argument("--backend-ssl-ca-certs", default=None,
+                          help="use TLS, trusting backend certificates this CA signed (PEM)")
+    security.add_argument("--backend-ssl-certfile", default=None, help="client certificate for mutual TLS (PEM)")
+    security.add_argument("--backend-ssl-keyfile", default=None, help="the client certificate's private key (PEM)")
+    security.add_argument("--backend-ssl-server-name", default=None,
+                          help="the name to check in the backend's certificate (default: the --backend host)")
     parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
                         help="format of tool calls in the model's replies (default: auto, from the chat template)")
     return parser
@@ -447,9 +558,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
     try:
+        from frontend.grpc_client import ChannelSecurity
+
+        security = ChannelSecurity(args.backend_auth_token, args.backend_ssl_ca_certs, args.backend_ssl_certfile,
+                                   args.backend_ssl_keyfile, args.backend_ssl_server_name)
         asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
                         args.backend_timeout, args.shutdown_timeout, args.log_level, args.routing,
-                        args.routing_prefix_tokens, args.tool_call_parser))
+                        args.routing_prefix_tokens, Limits.from_cli_args(args), security, args.tool_call_parser))
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -31,6 +31,7 @@ from typing import Optional
 
 from backend.config import EngineConfig
 from backend.errors import TandemError
+from backend.limits import BACKEND_LIMITS, FRONTEND_LIMITS, Limits
 from backend.ports import PortInUseError, check_port_free
 from backend.request import SamplingParams
 from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -45,13 +46,12 @@ KILL_GRACE_S = 10.0  # after --shutdown-timeout, before SIGKILL
 # ---- tandem serve ------------------------------------------------------------------------------
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags in ``args`` that differ from the defaults, as command-line arguments."""
-    argv = [args.model] if args.model else []
-    defaults = EngineConfig()
-    for name in EngineConfig.field_names():
+def changed_flags(args: argparse.Namespace, defaults: object, names) -> list[str]:
+    """The flags among ``names`` whose value in ``args`` differs from ``defaults``', as arguments."""
+    argv = []
+    for name in names:
         value = getattr(args, name)
-        if name == "model" or value == getattr(defaults, name):
+        if value == getattr(defaults, name):
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -61,6 +61,12 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The model and the engine flags in ``args`` that differ from the defaults."""
+    names = [name for name in EngineConfig.field_names() if name != "model"]
+    return ([args.model] if args.model else []) + changed_flags(args, EngineConfig(), names)
 
 
 def _set_parent_death_signal() -> None:
@@ -120,6 +126,7 @@ def serve(args: argparse.Namespace) -> int:
     """Start the backend and the frontend, report when both serve, stop both on SIGINT/SIGTERM."""
     try:
         EngineConfig.from_cli_args(args)  # bad flags fail here, before any process starts
+        Limits.from_cli_args(args)
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -136,19 +143,24 @@ def serve(args: argparse.Namespace) -> int:
 
     backend_argv = [sys.executable, "-m", "backend.server", *engine_argv(args), "--host", "127.0.0.1",
                     "--port", str(args.grpc_port), "--metrics-port", str(args.metrics_port),
-                    "--shutdown-timeout", str(args.shutdown_timeout)]
+                    "--shutdown-timeout", str(args.shutdown_timeout),
+                    *changed_flags(args, Limits(), BACKEND_LIMITS)]
     frontend_argv = [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{args.grpc_port}",
                      "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
                      "--backend-timeout", "0",  # we watch the backend process ourselves
-                     "--tool-call-parser", args.tool_call_parser]
+                     "--tool-call-parser", args.tool_call_parser,
+                     *changed_flags(args, Limits(), FRONTEND_LIMITS)]
     # The frontend echoes this on /health: "serving" is announced only when our own frontend
     # answers, never another server that happens to hold the port.
     instance_id = secrets.token_hex(8)
     frontend_env = {**os.environ, INSTANCE_ENV: instance_id}
     if args.api_key:
         frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+    backend_env = dict(os.environ)
+    if args.auth_token:  # both ends read it from the environment, not the command line
+        backend_env["TANDEM_GRPC_TOKEN"] = frontend_env["TANDEM_GRPC_TOKEN"] = args.auth_token
     # Both start at once: the frontend loads its libraries while the backend loads the model.
-    backend = _Child("backend", backend_argv)
+    backend = _Child("backend", backend_argv, backend_env)
     frontend = _Child("frontend", frontend_argv, frontend_env)
     children = (frontend, backend)  # the order they stop in
     base_url = f"http://{_local_address(args.host)}:{args.port}"
@@ -246,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
                               help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds running requests get to finish on SIGINT/SIGTERM")
+    serve_parser.add_argument("--auth-token", default=os.environ.get("TANDEM_GRPC_TOKEN"),
+                              help="a token the backend requires on its loopback gRPC port, so other local users "
+                                   "cannot use it (default: $TANDEM_GRPC_TOKEN)")
+    Limits.add_cli_args(serve_parser, tuple(dict.fromkeys(FRONTEND_LIMITS + BACKEND_LIMITS)))
     serve_parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
                               help="format of tool calls in the model's replies (default: auto, from the "
                                    "chat template)")

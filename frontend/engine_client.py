@@ -7,19 +7,22 @@ server). Both speak token IDs only and stream ``EngineOutput`` deltas.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol, runtime_checkable
+from typing import AsyncIterator, Optional, Protocol, runtime_checkable
 
 from backend.request import EngineLoad, EngineOutput, ModelInfo, SamplingParams
 
 
 @runtime_checkable
 class EngineClient(Protocol):
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[EngineOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 deadline: Optional[float] = None, cache_salt: Optional[str] = None) -> AsyncIterator[EngineOutput]:
         """Stream one request's deltas until every sequence of it has finished.
 
-        Raises ``InvalidRequestError`` (before the first delta) for bad input.
-        Closing the iterator early (or cancelling its task) aborts the request.
+        Raises ``InvalidRequestError`` (before the first delta) for bad input,
+        ``OverloadedError`` when admission control refuses it. Closing the
+        iterator early (or cancelling its task) aborts the request. Past
+        ``deadline`` (``time.monotonic()`` seconds) the engine aborts it.
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks.
         """
         ...
 

@@ -8,27 +8,44 @@ and status codes become typed errors (``error_from_status``, the one place):
     RESOURCE_EXHAUSTED  -> BackendOverloadedError
     UNAVAILABLE         -> BackendUnavailableError (also: connection refused,
                            a unary call past its deadline)
+    DEADLINE_EXCEEDED   -> RequestTimeoutError (a Generate call past its deadline)
     anything else       -> BackendError
+
+Health tells the truth across restarts: whenever the channel has been down
+and comes back, the backend's tokenizer fingerprint is checked again before
+the next request goes out; a backend that came back with another tokenizer
+is refused (health False, requests BackendUnavailableError) until one with
+the expected tokenizer answers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from backend.errors import EngineDeadError, InvalidRequestError, TandemError
+from backend.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestTimeoutError, TandemError
+from backend.limits import Limits
 from backend.request import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs, SamplingParams
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
-# The same limits as the backend's (backend/server.py), set on both ends.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+logger = logging.getLogger(__name__)
+
 ERROR_PARAM_METADATA_KEY = "tandem-error-param"
+AUTH_METADATA_KEY = "authorization"  # the backend's token check (backend/auth.py): "Bearer <token>"
+TOKEN_ENV = "TANDEM_GRPC_TOKEN"
 UNARY_TIMEOUT_S = 30.0  # a backend that does not answer a unary call by then counts as unavailable
 HEALTH_TIMEOUT_S = 1.0
+# Reconnect within about a second of a restarted backend coming back (gRPC's default backoff
+# grows to two minutes, so a restarted backend would sit unused).
+RECONNECT_BACKOFF_MS = (100, 1000)  # initial, maximum
 
 _FINISH_REASON_FROM_PROTO = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -50,7 +67,7 @@ class BackendUnavailableError(EngineDeadError):
     """The backend cannot be reached, is shutting down or its engine is dead (HTTP 503)."""
 
 
-class BackendOverloadedError(TandemError):
+class BackendOverloadedError(OverloadedError):
     """The backend's waiting queue is full; retry later or elsewhere (HTTP 429)."""
 
 
@@ -60,8 +77,10 @@ def error_from_status(error: grpc.aio.AioRpcError) -> TandemError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         param = dict(error.trailing_metadata() or ()).get(ERROR_PARAM_METADATA_KEY)
         return InvalidRequestError(message, param=param)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code == grpc.StatusCode.UNAVAILABLE:
         return BackendUnavailableError(f"Backend unavailable: {message}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimeoutError(f"The request did not finish before its deadline ({message}).")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return BackendOverloadedError(message)
     return BackendError(f"Backend call failed ({code.name}): {message}", code)
@@ -123,42 +142,156 @@ def output_from_response(request_id: str, response: engine_pb2.GenerateResponse)
 # ---- the client ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a frontend reaches a backend: its token and TLS settings (the frontend's --backend-* flags).
+
+    ``ssl_ca_certs`` turns TLS on (the CA that signed the backend's certificate);
+    ``ssl_certfile``/``ssl_keyfile`` add a client certificate (mTLS);
+    ``ssl_server_name`` overrides the name checked in the backend's certificate
+    (for an address that is not in it, e.g. an IP).
+    """
+
+    auth_token: Optional[str] = None
+    ssl_ca_certs: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_keyfile: Optional[str] = None
+    ssl_server_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise InvalidRequestError("--backend-ssl-certfile and --backend-ssl-keyfile go together.",
+                                      param="backend_ssl_certfile")
+        if (self.ssl_certfile or self.ssl_server_name) and not self.ssl_ca_certs:
+            raise InvalidRequestError("A client certificate or server name needs --backend-ssl-ca-certs (TLS).",
+                                      param="backend_ssl_ca_certs")
+
+    @property
+    def metadata(self) -> tuple:
+        """Metadata every call carries."""
+        return ((AUTH_METADATA_KEY, f"Bearer {self.auth_token}"),) if self.auth_token else ()
+
+    def channel(self, address: str, options: list) -> grpc.aio.Channel:
+        if not self.ssl_ca_certs:
+            return grpc.aio.insecure_channel(address, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ssl_ca_certs),
+            private_key=_read(self.ssl_keyfile) if self.ssl_keyfile else None,
+            certificate_chain=_read(self.ssl_certfile) if self.ssl_certfile else None)
+        if self.ssl_server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self.ssl_server_name)]
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+
 class GrpcEngineClient:
     """``EngineClient`` over a backend's gRPC address (``host:port``).
 
     The channel is opened on first use, inside the running event loop (a
-    ``grpc.aio`` channel belongs to the loop that created it).
+    ``grpc.aio`` channel belongs to the loop that created it). After
+    ``expect_tokenizer(fingerprint)``, every (re)connection is checked against
+    that fingerprint before requests use it.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, limits: Optional[Limits] = None,
+                 security: Optional[ChannelSecurity] = None) -> None:
         self.address = address
+        self.limits = limits or Limits()
+        self.security = security or ChannelSecurity()
+        self._metadata = self.security.metadata
         self._channel: Optional[grpc.aio.Channel] = None
         self._stub: Optional[engine_pb2_grpc.EngineServiceStub] = None
         self._health: Optional[health_pb2_grpc.HealthStub] = None
+        self._watcher: Optional[asyncio.Task] = None
+        self._expected_fingerprint: Optional[str] = None
+        self._verified = False  # the current connection's backend has the expected tokenizer
+        self._verifying: Optional[asyncio.Future] = None
+        self._mismatch: Optional[str] = None  # why the last check refused the backend
 
     def _connect(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            message_bytes = self.limits.max_grpc_message_bytes
+            self._channel = self.security.channel(
+                self.address, options=[("grpc.max_send_message_length", message_bytes),
+                                       ("grpc.max_receive_message_length", message_bytes),
+                                       ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                                       ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                                       ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])])
             self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_connectivity())
 
     @property
     def _engine(self) -> engine_pb2_grpc.EngineServiceStub:
         self._connect()
         return self._stub
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+    # ---- the tokenizer check on every reconnection ----
+
+    def expect_tokenizer(self, fingerprint: str) -> None:
+        """From now on, refuse a backend whose tokenizer fingerprint differs from ``fingerprint``."""
+        self._expected_fingerprint = fingerprint
+
+    async def _watch_connectivity(self) -> None:
+        """Forget the check whenever the channel leaves READY: what answers next may be another process."""
+        state = self._channel.get_state(try_to_connect=False)
+        while True:
+            if state != grpc.ChannelConnectivity.READY:
+                self._verified = False
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=False)
+
+    async def _check_backend(self) -> None:
+        """Raise BackendUnavailableError unless the backend now reached has the expected tokenizer."""
+        self._connect()
+        if self._expected_fingerprint is None or self._verified:
+            if self._mismatch is not None:
+                raise BackendUnavailableError(self._mismatch)
+            return
+        if self._verifying is None:  # one check at a time; concurrent requests share it
+            self._verifying = asyncio.ensure_future(self._verify())
+        try:
+            await asyncio.shield(self._verifying)
+        finally:
+            if self._verifying is not None and self._verifying.done():
+                self._verifying = None
+        if self._mismatch is not None:
+            raise BackendUnavailableError(self._mismatch)
+
+    async def _verify(self) -> None:
+        fingerprint = await self.tokenizer_fingerprint()
+        if fingerprint == self._expected_fingerprint:
+            self._mismatch = None
+        else:
+            self._mismatch = (
+                f"The backend at {self.address} now serves a different tokenizer (fingerprint {fingerprint[:16]}, "
+                f"expected {self._expected_fingerprint[:16]}): refusing it until one with the expected tokenizer "
+                "answers; restart this frontend to follow the new one.")
+            logger.error("%s", self._mismatch)
+        self._verified = True
+
+    # ---- EngineClient ----
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       deadline: Optional[float] = None,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[EngineOutput]:
         """Stream the request's deltas. Closing the iterator early (or cancelling the
-        task) cancels the call, which aborts the request on the backend."""
+        task) cancels the call, which aborts the request on the backend. ``deadline``
+        (``time.monotonic()`` seconds) becomes the call's gRPC deadline."""
         try:
             request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                                 sampling_params=sampling_params_to_proto(params))
+                                                 sampling_params=sampling_params_to_proto(params),
+                                                 cache_salt=cache_salt)
         except ValueError as error:  # e.g. a negative token ID, which uint32 cannot hold
             raise InvalidRequestError(f"The request cannot be sent to the backend: {error}") from None
-        call = self._engine.Generate(request)
+        await self._check_backend()
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        call = self._engine.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield output_from_response(request_id, response)
@@ -193,13 +326,18 @@ class GrpcEngineClient:
         return response.prometheus_text
 
     async def health(self) -> bool:
-        """True when the backend answers SERVING within ``HEALTH_TIMEOUT_S``; False otherwise."""
+        """True when the backend answers SERVING within ``HEALTH_TIMEOUT_S`` and has the expected
+        tokenizer; False otherwise."""
         self._connect()
         try:
-            response = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
+            response = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S,
+                                                metadata=self._metadata)
+            if response.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+            await asyncio.wait_for(self._check_backend(), HEALTH_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, TandemError, asyncio.TimeoutError):
             return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        return True
 
     async def fetch_tokenizer(self, dest_dir: str | os.PathLike) -> Path:
         """Write the backend's tokenizer files into ``dest_dir`` (created if needed); return it.
@@ -210,7 +348,8 @@ class GrpcEngineClient:
         """
         files: dict[str, bytearray] = {}
         sizes: dict[str, int] = {}
-        call = self._engine.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=UNARY_TIMEOUT_S)
+        call = self._engine.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=UNARY_TIMEOUT_S,
+                                         metadata=self._metadata)
         try:
             async for chunk in call:
                 if chunk.file_name not in files:
@@ -233,13 +372,16 @@ class GrpcEngineClient:
         return dest
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=UNARY_TIMEOUT_S)
+            return await method(request, timeout=UNARY_TIMEOUT_S, metadata=self._metadata)
         except grpc.aio.AioRpcError as error:
             raise error_from_status(error) from None
 

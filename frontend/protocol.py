@@ -146,6 +146,8 @@ class SamplingFields(Unsupported):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Prefix-cache isolation: only requests with the same salt share cached prompt blocks.
+    cache_salt: Optional[str] = None
 
 
 class PromptTokensDetails(_Response):

@@ -372,8 +372,10 @@ class Router:
         fingerprint = await backend.client.tokenizer_fingerprint()
         if self._reference is None:
             self._reference = (info, fingerprint)
-            return
         reference, reference_fingerprint = self._reference
+        # From now on the client checks every reconnection itself (a quick restart can come back
+        # with another tokenizer between two of these checks).
+        backend.client.expect_tokenizer(reference_fingerprint)
         if (info.model_name, info.max_model_len, fingerprint) != (
                 reference.model_name, reference.max_model_len, reference_fingerprint):
             backend.refused = (f"it serves {info.model_name} (max_model_len {info.max_model_len}, tokenizer "

@@ -2,8 +2,12 @@
 
 A request's life here:
 
-1. Check the model name, tokenize (chat template for chat), check the context
-   length with vLLM's wording, build ``SamplingParams`` (which checks ranges).
+1. Check the model name and the request's bounds (``backend.limits``: prompt
+   count, n, stop strings, logprobs; a prompt too long for the context is
+   refused before it is tokenized), tokenize (chat template for chat; big
+   inputs off the event loop, so one huge prompt never stalls the others),
+   check the context length with vLLM's wording, build ``SamplingParams``
+   (which checks ranges).
 2. One engine request per prompt (``<id>-<i>`` for the i-th prompt of a
    completions list); its deltas become text in ``frontend.outputs``
    (detokenization, stop strings), the one place that happens.
@@ -21,10 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
@@ -34,11 +41,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerFast
 
-from backend.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, TandemError
+from backend.errors import (EngineDeadError, InvalidRequestError, ModelNotFoundError, OverloadedError,
+                            RequestTimeoutError, TandemError)
+from backend.limits import Limits
 from backend.request import ModelInfo, PositionLogprobs, SamplingParams, StructuredOutputsParams
 from frontend import protocol as P
 from frontend.engine_client import EngineClient
-from frontend.grpc_client import BackendOverloadedError
 from frontend.outputs import RequestOutputBuilder, TextDelta
 from frontend.tokenizer import decode_token, encode_prompt, render_chat
 from frontend.tool_calls import (ToolReply, check_tools, choose_parser, constrained_tool_schema,
@@ -52,6 +60,9 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 _SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
+# Inputs longer than this (characters, or token IDs) are tokenized, rendered or decoded on a
+# worker thread: the tokenizers library releases the GIL, so the event loop keeps serving.
+_OFF_LOOP_MIN_SIZE = 4096
 
 
 # ---- errors -> HTTP status and OpenAI error JSON (the one place) ------------------------------
@@ -65,15 +76,21 @@ class ClientDisconnectedError(TandemError):
     """The HTTP client went away before the answer was ready; nobody reads the response."""
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than --max-request-body-bytes (HTTP 413)."""
+
+
 HTTP_STATUS_CLIENT_CLOSED_REQUEST = 499  # nginx's: the client went away before the answer
 
 
 _STATUS_OF_ERROR: tuple[tuple[type[Exception], HTTPStatus], ...] = (
+    (RequestTooLargeError, HTTPStatus.REQUEST_ENTITY_TOO_LARGE),  # before its base class
     (InvalidRequestError, HTTPStatus.BAD_REQUEST),
     (AuthenticationError, HTTPStatus.UNAUTHORIZED),
     (ModelNotFoundError, HTTPStatus.NOT_FOUND),
-    (BackendOverloadedError, HTTPStatus.TOO_MANY_REQUESTS),
+    (OverloadedError, HTTPStatus.TOO_MANY_REQUESTS),  # BackendOverloadedError included; sent with Retry-After
     (EngineDeadError, HTTPStatus.SERVICE_UNAVAILABLE),  # BackendUnavailableError included
+    (RequestTimeoutError, HTTPStatus.GATEWAY_TIMEOUT),
 )
 
 # vLLM's error ``type`` names (OpenAI's client maps by status code, not by these).
@@ -81,6 +98,7 @@ _ERROR_TYPE_OF_STATUS = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
@@ -103,8 +121,10 @@ def error_of_exception(error: Exception) -> tuple[int, P.ErrorResponse]:
         HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {type(error).__name__}: {error}")
 
 
-def error_json_response(status: int, body: P.ErrorResponse) -> JSONResponse:
-    return JSONResponse(body.model_dump(mode="json"), status_code=status)
+def error_json_response(status: int, body: P.ErrorResponse, retry_after_s: Optional[int] = None) -> JSONResponse:
+    """The error as a response; a 429 carries ``Retry-After: retry_after_s``."""
+    headers = {"Retry-After": str(retry_after_s)} if status == HTTPStatus.TOO_MANY_REQUESTS and retry_after_s else None
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
 
 # ---- one engine request ----------------------------------------------------------------------
@@ -120,10 +140,13 @@ class _EngineRun:
     """One engine request (one prompt, ``n`` sequences) and the builder of its text."""
 
     def __init__(self, request_id: str, prompt: _Prompt, params: SamplingParams,
-                 tokenizer: PreTrainedTokenizerFast, first_choice: int) -> None:
+                 tokenizer: PreTrainedTokenizerFast, first_choice: int, deadline: float,
+                 cache_salt: Optional[str]) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        self.deadline = deadline  # time.monotonic() seconds: the engine aborts the request then
+        self.cache_salt = cache_salt
         self.first_choice = first_choice  # choice index of sequence 0 (vLLM: prompt_index * n)
         self.builder = RequestOutputBuilder(tokenizer, request_id, prompt.text, prompt.token_ids, params)
         self.echo_only = False  # completions' echo with max_tokens=0: the generated token is dropped
@@ -134,7 +157,8 @@ class _EngineRun:
 
     async def deltas(self, client: EngineClient) -> AsyncIterator["_Event"]:
         """(this run, sequence index, what that sequence added), until every sequence ended."""
-        stream = client.generate(self.request_id, self.prompt.token_ids, self.params)
+        stream = client.generate(self.request_id, self.prompt.token_ids, self.params, deadline=self.deadline,
+                                 cache_salt=self.cache_salt)
         try:
             async for output in stream:
                 delta = self.builder.add(output)
@@ -288,12 +312,52 @@ class OpenAIServing:
     """
 
     def __init__(self, engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast,
-                 model_info: ModelInfo, tool_call_parser: str = "auto") -> None:
+                 model_info: ModelInfo, limits: Optional[Limits] = None,
+                 tool_call_parser: str = "auto") -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.limits = limits or Limits()
         self.tool_call_parser = choose_parser(tool_call_parser, tokenizer.chat_template)
         self.num_in_flight = 0  # generation requests being answered (/load)
+        # No token covers more characters than the longest vocabulary entry (for byte-level and
+        # SentencePiece BPE), so a longer text surely has more tokens than the context holds.
+        # Twice that, for normalizers that merge characters.
+        max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * model_info.max_model_len * max(max_token_chars, 1)
+        self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="tandem-tokenize")
+
+    async def _off_loop(self, size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``: inline for small inputs, on a worker thread for big ones."""
+        if size < _OFF_LOOP_MIN_SIZE:
+            return fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(fn, *args, **kwargs))
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.limits.request_timeout_s
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long for any prompt to fit the context."""
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"The prompt ({num_chars} characters) is longer than any prompt this model takes: its maximum "
+                f"context length is {self.model_info.max_model_len} tokens, which no text of more than "
+                f"{self.max_prompt_chars} characters fits in. Please reduce the length of the input.", param=param)
+
+    async def _render_and_encode_chat(self, messages: list, add_generation_prompt: bool,
+                                      chat_template: Optional[str], continue_final_message: bool,
+                                      template_kwargs: dict, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """The chat's prompt text and its token IDs (no special tokens added by default: the
+        template has them). Its length is checked before rendering and before tokenizing."""
+        size = _chat_text_size(messages)
+        self._check_prompt_chars(size, param="messages")
+        text = await self._off_loop(size, render_chat, self.tokenizer, messages, add_generation_prompt,
+                                    chat_template, continue_final_message, **template_kwargs)
+        return text, await self._encode(text, add_special_tokens=add_special_tokens, param="messages")
+
+    async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self._check_prompt_chars(len(text), param=param)
+        return await self._off_loop(len(text), encode_prompt, self.tokenizer, text, add_special_tokens)
 
     @property
     def model_name(self) -> str:
@@ -314,7 +378,8 @@ class OpenAIServing:
         if request.max_tokens == 0 and not request.echo:
             raise InvalidRequestError("max_tokens must be at least 1 (0 is only for echo, to score the prompt).",
                                       param="max_tokens")
-        prompts = self._completion_prompts(request.prompt, request.add_special_tokens is not False)
+        prompts = await self._completion_prompts(request.prompt, request.best_of or request.n,
+                                                 request.add_special_tokens is not False)
         prompts = [self._truncate(prompt, request.truncate_prompt_tokens) for prompt in prompts]
         # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
         explicit = "max_tokens" in request.model_fields_set
@@ -322,6 +387,7 @@ class OpenAIServing:
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs
         base_id = f"cmpl-{request.request_id or uuid.uuid4().hex}"
+        deadline = self._deadline()
         runs = []
         for i, prompt in enumerate(prompts):
             requested = request.max_tokens if explicit else None
@@ -330,7 +396,8 @@ class OpenAIServing:
             max_tokens = self._max_tokens(requested, len(prompt.token_ids),
                                           default=None if explicit else request.max_tokens, prompt_param="prompt")
             params = self._sampling_params(request, max_tokens, request.logprobs, prompt_logprobs, None)
-            run = _EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n)
+            run = _EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n,
+                             deadline=deadline, cache_salt=request.cache_salt)
             run.echo_only = request.max_tokens == 0
             runs.append(run)
         if request.stream:
@@ -361,19 +428,19 @@ class OpenAIServing:
             constraint = StructuredOutputsParams(json=schema)
         supports_tools = template_supports_tools(request.chat_template or self.tokenizer.chat_template)
         messages = messages_for_template(request.messages, request.tools, supports_tools)
-        text = render_chat(self.tokenizer, messages, request.add_generation_prompt, request.chat_template,
-                           request.continue_final_message, tools=request.tools if supports_tools else None,
-                           **(request.chat_template_kwargs or {}))
-        prompt = self._truncate(_Prompt(text, encode_prompt(self.tokenizer, text,
-                                                            add_special_tokens=bool(request.add_special_tokens))),
-                                request.truncate_prompt_tokens)
+        text, token_ids = await self._render_and_encode_chat(
+            messages, request.add_generation_prompt, request.chat_template, request.continue_final_message,
+            {**(request.chat_template_kwargs or {}), "tools": request.tools if supports_tools else None},
+            add_special_tokens=bool(request.add_special_tokens))
+        prompt = self._truncate(_Prompt(text, token_ids), request.truncate_prompt_tokens)
         # vLLM: max_completion_tokens wins; neither given means all the room left.
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt.token_ids), default=None, prompt_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs and request.logprob_token_ids is None else None
         params = self._sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, constraint)
         base_id = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
-        run = _EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0)
+        run = _EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0, deadline=self._deadline(),
+                         cache_salt=request.cache_salt)
         run.replies = [ToolReply(tool_mode, self.tool_call_parser, named) for _ in range(params.n)]
         role = "assistant" if request.add_generation_prompt else str(request.messages[-1].get("role", "assistant"))
         run.role = role
@@ -394,23 +461,21 @@ class OpenAIServing:
             supports_tools = template_supports_tools(request.chat_template or self.tokenizer.chat_template)
             check_tools(request.tools, None)
             messages = messages_for_template(request.messages, request.tools, supports_tools)
-            text = render_chat(self.tokenizer, messages, request.add_generation_prompt, request.chat_template,
-                               continue_final_message=request.continue_final_message,
-                               tools=request.tools if supports_tools else None,
-                               **(request.chat_template_kwargs or {}))
-            add_special_tokens = bool(request.add_special_tokens)
+            _, tokens = await self._render_and_encode_chat(
+                messages, request.add_generation_prompt, request.chat_template, request.continue_final_message,
+                {**(request.chat_template_kwargs or {}), "tools": request.tools if supports_tools else None},
+                add_special_tokens=bool(request.add_special_tokens))
         else:
-            text = request.prompt
-            add_special_tokens = request.add_special_tokens is not False
-        tokens = encode_prompt(self.tokenizer, text, add_special_tokens=add_special_tokens)
+            tokens = await self._encode(request.prompt, add_special_tokens=request.add_special_tokens is not False)
         token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return P.TokenizeResponse(count=len(tokens), max_model_len=self.model_info.max_model_len, tokens=tokens,
                                   token_strs=token_strs)
 
-    def detokenize(self, request: P.DetokenizeRequest) -> P.DetokenizeResponse:
+    async def detokenize(self, request: P.DetokenizeRequest) -> P.DetokenizeResponse:
         self._check_model(request.model)
         self._check_token_ids(request.tokens, param="tokens")
-        return P.DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        return P.DetokenizeResponse(prompt=await self._off_loop(len(request.tokens), self.tokenizer.decode,
+                                                                request.tokens))
 
     def tokenizer_info(self) -> P.TokenizerInfoResponse:
         """The tokenizer's configuration, as vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it)."""
@@ -461,7 +526,8 @@ class OpenAIServing:
         if bad is not None:
             raise InvalidRequestError(f"Token ID {bad} is out of vocabulary (size {vocab_size}).", param=param)
 
-    def _completion_prompts(self, prompt: Union[str, list], add_special_tokens: bool = True) -> list[_Prompt]:
+    async def _completion_prompts(self, prompt: Union[str, list], n: int,
+                                  add_special_tokens: bool = True) -> list[_Prompt]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif not prompt:
@@ -470,10 +536,14 @@ class OpenAIServing:
             items = [prompt]  # one prompt of token IDs
         else:
             items = prompt
+        self.limits.check_prompt_count(len(items), n)
+        for item in items:  # every prompt's length before any is tokenized
+            if isinstance(item, str):
+                self._check_prompt_chars(len(item), param="prompt")
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(_Prompt(item, encode_prompt(self.tokenizer, item, add_special_tokens)))
+                prompts.append(_Prompt(item, await self._encode(item, add_special_tokens)))
             else:
                 self._check_token_ids(item, param="prompt")
                 prompts.append(_Prompt(None, list(item)))
@@ -555,7 +625,10 @@ class OpenAIServing:
                 fields[name] = value
         if request.use_beam_search:
             fields.pop("temperature", None)  # beams are ranked by raw logprobs: temperature changes nothing
-        return SamplingParams(**fields)  # checks every value, naming the parameter
+        params = SamplingParams(**fields)  # checks every value, naming the parameter
+        self.limits.check_sampling_params(params)
+        self.limits.check_cache_salt(request.cache_salt)
+        return params
 
     # ---- engine -> response ----
 
@@ -781,6 +854,20 @@ class OpenAIServing:
                 token_ids=delta.token_ids if request.return_token_ids else None)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], self._usage(runs))
+
+
+def _chat_text_size(messages: Any) -> int:
+    """Characters of the messages' text: a lower bound of the rendered prompt's length, known
+    before rendering (``render_chat`` checks the messages' shape)."""
+    size = 0
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(part["text"]) for part in content
+                        if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return size
 
 
 async def _prepend(first: Optional[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:

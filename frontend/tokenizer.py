@@ -30,6 +30,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
 
+# OpenAI's chat roles ("function" is its deprecated form of "tool"); others are refused.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
 # The detokenizer starts from a short prompt suffix, not the whole prompt: enough
 # for the first generated token to read as a continuation, and cheap to prime.
 _MAX_CONTEXT_TOKENS = 24
@@ -115,8 +118,9 @@ def _normalize_message(message: Any, position: int) -> dict:
         raise InvalidRequestError(f"messages[{position}] must be an object, got {type(message).__name__}.",
                                   param="messages")
     role = message.get("role")
-    if not isinstance(role, str) or not role:
-        raise InvalidRequestError(f"messages[{position}] needs a non-empty string 'role'.", param="messages")
+    if role not in CHAT_ROLES:
+        raise InvalidRequestError(f"messages[{position}].role must be one of {', '.join(sorted(CHAT_ROLES))}; "
+                                  f"got {role!r:.40}.", param="messages")
     normalized = dict(message)
     content = message.get("content")
     if isinstance(content, list):

@@ -1,11 +1,20 @@
-"""Small helpers shared by the tests that run servers as processes (import as ``helpers``)."""
+"""Small helpers shared by the tests that run servers, as processes or in process (import as ``helpers``).
+
+Every wait is bounded; servers listen on 127.0.0.1 with ports from the OS.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import uvicorn
 
 
 def free_port() -> int:
@@ -24,3 +33,61 @@ def http_status(url: str) -> Optional[int]:
         return error.code
     except OSError:
         return None
+
+
+class LoopThread:
+    """An event loop on a daemon thread: a server and its engine live there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@contextmanager
+def uvicorn_on(loop: LoopThread, app, **config) -> Iterator[str]:
+    """Serve ``app`` on 127.0.0.1 from ``loop`` (where its engine client lives); yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                                           lifespan="off", **config))
+    served = asyncio.run_coroutine_threadsafe(server.serve(), loop.loop)
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and not served.done(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        served.result(timeout=15)
+
+
+def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+async def raw_post(host: str, port: int, path: str, body: bytes, timeout: float = 120.0) -> tuple[int, bytes]:
+    """POST over a fresh connection with plain asyncio streams (cheap enough for thousands at once);
+    returns the status and the whole body (the server closes the connection)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, payload = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), payload

@@ -56,6 +56,7 @@ class FakeEngine:
         self.fail_after_tokens: Optional[tuple[int, Exception]] = None
         self.healthy = True
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.options: list[dict] = []  # generate()'s keyword arguments, per request
         self.closed_early: list[str] = []
         self.finished: list[str] = []
 
@@ -69,8 +70,10 @@ class FakeEngine:
             position.setdefault((token + 1 + j) % TINY_VOCAB, Logprob(-1.0 - j, rank=2 + j))
         return position
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       deadline: Optional[float] = None, cache_salt: Optional[str] = None):
         self.requests.append((request_id, list(prompt_token_ids), params))
+        self.options.append({"deadline": deadline, "cache_salt": cache_salt})
         if self.fail_before_first is not None:
             raise self.fail_before_first
         done = [False] * params.n
@@ -710,6 +713,9 @@ class StartupFakeBackend:
     async def tokenizer_fingerprint(self) -> str:
         return tokenizer_fingerprint(str(self.files_dir))
 
+    def expect_tokenizer(self, fingerprint: str) -> None:
+        pass
+
     async def get_load(self) -> EngineLoad:
         return EngineLoad(0, 0, 0.0)
 
@@ -733,7 +739,7 @@ def test_frontend_refuses_a_tokenizer_that_is_not_the_backends(tokenizer_dir, tm
     (other / "tokenizer_config.json").write_text(
         (tokenizer_dir / "tokenizer_config.json").read_text().replace("im_start", "im_begin"))
     monkeypatch.setattr(frontend.grpc_client, "GrpcEngineClient",
-                        lambda address: StartupFakeBackend(address, tokenizer_dir))
+                        lambda address, limits, security: StartupFakeBackend(address, tokenizer_dir))
     code = api_server.main(["--backend", "127.0.0.1:1", "--tokenizer", str(other), "--port", str(free_port())])
     assert code == 1
     assert "is not the backend's" in capsys.readouterr().err

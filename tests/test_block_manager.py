@@ -1,11 +1,14 @@
-"""BlockManager: exact block IDs, ref counts, prefix hits, eviction order."""
+"""BlockManager: exact block IDs, ref counts, prefix hits, eviction order, the key function."""
 
-from backend.block_manager import BlockManager
+import hashlib
+import struct
+
+from backend.block_manager import BlockManager, hash_block, root_key
 from backend.request import Request, SamplingParams
 
 
-def make_request(rid: str, tokens: list[int], **params) -> Request:
-    return Request(rid, tokens, SamplingParams(**params), eos_token_id=None)
+def make_request(rid: str, tokens: list[int], cache_salt=None, **params) -> Request:
+    return Request(rid, tokens, SamplingParams(**params), eos_token_id=None, cache_salt=cache_salt)
 
 
 def refs(bm: BlockManager) -> list[int]:
@@ -140,3 +143,51 @@ def test_chained_hash_distinguishes_equal_blocks_after_different_prefixes():
     bm.cache_full_blocks(a, 5)
     b = make_request("b", [9, 9, 3, 4, 0])  # second block equal, first differs
     assert bm.get_computed_blocks(b) == ([], 0)
+
+
+# ---- block keys: a cryptographic digest, salted per tenant ----------------------------------------
+
+
+def blake2b_256(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def test_block_keys_are_pinned_blake2b_digests_of_the_parent_key_and_the_tokens():
+    framed = b"".join(len(part).to_bytes(8, "little") + part for part in (b"tandem/prefix-cache/v1", b"", b""))
+    assert root_key() == blake2b_256(framed)
+    salted = b"".join(len(part).to_bytes(8, "little") + part
+                      for part in (b"tandem/prefix-cache/v1", b"\x01tenant-a", b""))
+    assert root_key("tenant-a") == blake2b_256(salted)
+    assert root_key("") != root_key()  # an empty salt is still a salt
+
+    first = hash_block(root_key(), [1, 2, 3, 4])
+    assert first == blake2b_256(root_key() + struct.pack("=4I", 1, 2, 3, 4))
+    assert hash_block(first, [5, 6, 7, 8]) == blake2b_256(first + struct.pack("=4I", 5, 6, 7, 8))
+    assert len(first) == 32  # 256 bits
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(1, 10)))
+    bm._update_block_hashes(a, 2)
+    assert a.block_hashes == [hash_block(root_key(), [1, 2, 3, 4]), hash_block(a.block_hashes[0], [5, 6, 7, 8])]
+
+
+def test_cache_salt_keeps_tenants_apart_and_the_same_salt_shares():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 113))  # 3 full blocks and one token
+
+    def cached_after(first_salt, second_salt) -> int:
+        first = make_request("first", prompt, cache_salt=first_salt)
+        assert bm.allocate_slots(first, len(prompt))
+        first.num_computed_tokens = len(prompt)
+        bm.cache_full_blocks(first, len(prompt))
+        second = make_request("second", prompt, cache_salt=second_salt)
+        _, num_hit_tokens = bm.get_computed_blocks(second)
+        bm.free(first)
+        bm.reset_prefix_cache()
+        return num_hit_tokens
+
+    assert cached_after("tenant-a", "tenant-b") == 0
+    assert cached_after("tenant-a", None) == 0
+    assert cached_after(None, "tenant-a") == 0
+    assert cached_after("tenant-a", "tenant-a") == 12
+    assert cached_after(None, None) == 12

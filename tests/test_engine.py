@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine, LLMEngine
 from backend.errors import InvalidRequestError
+from backend.limits import Limits
 from backend.request import FinishReason, SamplingParams
 
 
@@ -76,3 +78,44 @@ def test_async_engine_closing_a_stream_aborts_it(tiny_checkpoint):
     assert done[-1].finish_reason == FinishReason.LENGTH and sum(len(o.new_token_ids) for o in done) == 3
     assert (load.num_requests_running, load.num_requests_waiting, load.kv_cache_usage) == (0, 0, 0.0)
     engine.shutdown()
+
+
+def test_a_passed_deadline_aborts_the_request_and_frees_its_blocks(tiny_checkpoint):
+    engine = LLMEngine(config(tiny_checkpoint("llama"), max_num_seqs=1))
+    now = time.monotonic()
+    engine.add_request("running", list(range(10, 30)), SamplingParams(max_tokens=50), deadline=now + 60)
+    engine.add_request("waiting", list(range(40, 60)), SamplingParams(n=2, max_tokens=50), deadline=now + 0.05)
+    engine.add_request("no-deadline", [1, 2, 3], SamplingParams(max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_expired(now) == []  # nothing has expired yet
+    assert {"waiting#0", "waiting#1"} <= set(engine.scheduler.requests)
+
+    expired = engine.abort_expired(now + 0.1)
+    assert sorted((o.request_id, o.index, o.finish_reason) for o in expired) == \
+        [("waiting", 0, FinishReason.ABORT), ("waiting", 1, FinishReason.ABORT)]
+    assert all(not o.new_token_ids for o in expired)
+    assert set(engine.scheduler.requests) == {"running", "no-deadline"}
+    engine.abort_request(["running", "no-deadline"])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_reused_request_id_keeps_its_own_deadline(tiny_checkpoint):
+    engine = LLMEngine(config(tiny_checkpoint("llama")))
+    now = time.monotonic()
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=1), deadline=now + 1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("r", [4, 5, 6], SamplingParams(max_tokens=50), deadline=now + 100)
+    assert engine.abort_expired(now + 2) == []  # the first request's deadline is not the second's
+    assert "r" in engine.scheduler.requests
+
+
+def test_sampling_limits_are_checked_before_queueing(tiny_checkpoint):
+    engine = LLMEngine(config(tiny_checkpoint("llama")), Limits(max_n=4, max_logprobs=3))
+    with pytest.raises(InvalidRequestError, match="--max-n") as error:
+        engine.add_request("big-n", [1, 2], SamplingParams(n=5))
+    assert error.value.param == "n"
+    with pytest.raises(InvalidRequestError, match="--max-logprobs"):
+        engine.add_request("lp", [1, 2], SamplingParams(logprobs=4))
+    assert not engine.has_unfinished_requests() and not engine.children

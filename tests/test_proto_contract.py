@@ -174,7 +174,7 @@ def test_generate_request_with_every_field_set_round_trips():
             choice=engine_pb2.Choice(choices=["yes", "no"]), disable_any_whitespace=True),
     )
     request = engine_pb2.GenerateRequest(request_id="cmpl-1", prompt_token_ids=[1, 4093, 2**32 - 1],
-                                         sampling_params=params)
+                                         sampling_params=params, cache_salt="tenant-a")
     assert _set_fields(params) == set(engine_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
     assert _set_fields(request) == set(engine_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
 

@@ -52,6 +52,9 @@ class FakeBackend:
     async def tokenizer_fingerprint(self) -> str:
         return self.fingerprint
 
+    def expect_tokenizer(self, fingerprint: str) -> None:  # GrpcEngineClient re-checks it on reconnection
+        self.expected_fingerprint = fingerprint
+
     async def generate(self, request_id, prompt_token_ids, params, **options):
         if self.fail_before_output is not None:
             raise self.fail_before_output

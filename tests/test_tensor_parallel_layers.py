@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import backend.distributed as distributed
 import backend.models.linear as linear
 import backend.models.vocab_parallel as vocab_parallel
+from backend.config import EngineConfig
 from backend.distributed import ParallelState, stage_layers
+from backend.errors import InvalidRequestError
 from backend.models.layers import PPMissingLayer
 from backend.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                    QKVParallelLinear, RowParallelLinear, partition_heads)
@@ -165,7 +167,7 @@ def test_a_pipeline_stage_loads_only_its_layers_and_a_tied_head(as_rank, tiny_ch
     assert not [n for n, _ in last.named_parameters() if n.startswith("model.layers.0.")]
 
 
-def test_sizes_the_model_cannot_be_split_by_are_named():
+def test_sizes_the_model_cannot_be_split_by_are_refused_before_any_worker_starts(tiny_checkpoint):
     import transformers as T
 
     smollm2 = T.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -173,3 +175,11 @@ def test_sizes_the_model_cannot_be_split_by_are_named():
     assert parallel_size_problem(smollm2, 2, 2) is None
     assert parallel_size_problem(smollm2, 4, 1)[0] == "tensor_parallel_size"
     assert parallel_size_problem(smollm2, 1, 31)[0] == "pipeline_parallel_size"
+    model = str(tiny_checkpoint("llama"))  # 4 heads, 2 KV heads, 2 layers
+    with pytest.raises(InvalidRequestError, match="split over 3 ranks") as error:
+        EngineConfig(model=model, tensor_parallel_size=3).resolve()
+    assert error.value.param == "tensor_parallel_size"
+    with pytest.raises(InvalidRequestError, match="larger than the model's 2 layers"):
+        EngineConfig(model=model, pipeline_parallel_size=3).resolve()
+    with pytest.raises(InvalidRequestError, match="'uni' executor runs one worker"):
+        EngineConfig(model=model, tensor_parallel_size=2, distributed_executor_backend="uni").resolve()

@@ -209,7 +209,8 @@ def test_render_chat_passes_template_kwargs_tools_and_override_template(byte_lev
     ([], "non-empty list"),
     ("hello", "non-empty list"),
     (["hello"], "must be an object"),
-    ([{"content": "no role"}], "'role'"),
+    ([{"content": "no role"}], r"role must be one of .*got None"),
+    ([{"role": "wizard", "content": "unknown role"}], r"role must be one of .*got 'wizard'"),
     ([{"role": "user", "content": 5}], "string or a list of text parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts"),
 ])

@@ -1,42 +1,103 @@
-"""The executor interface: what the engine asks of its workers, whatever their number."""
+"""The executor interface: what the engine asks of its workers, whatever their number and place.
+
+The engine calls, in order: ``determine_num_blocks`` (the minimum over the workers, so every rank
+fits the same cache), ``init_kv_cache``, then ``execute_model`` once per step (every worker runs its
+part of the model; the output rank's sampled tokens come back), and ``shutdown`` once, which leaves
+no worker process behind. A worker that dies is reported to ``add_failure_callback`` listeners as
+soon as it is noticed (also between steps) and makes the next call raise ``WorkerDiedError``.
+
+    uni                one worker in this process (one device)
+    mp                 one worker process per device on this machine
+    ray                one Ray actor per device, in a placement group, across machines
+    external_launcher  torchrun (or similar) started the processes; each runs this engine
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 from abc import ABC, abstractmethod
+from typing import Any, Callable, Optional
 
 from backend.config import EngineConfig
-from backend.errors import InvalidRequestError
+from backend.errors import WorkerDiedError
 from backend.model_runner import ModelRunnerOutput
 from backend.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.failure: Optional[WorkerDiedError] = None
+        self._failure_callbacks: list[Callable[[WorkerDiedError], None]] = []
+        self._failure_lock = threading.Lock()
 
     @abstractmethod
-    def determine_num_blocks(self) -> int:
-        """KV blocks that fit on every worker (the minimum over workers)."""
-
-    @abstractmethod
-    def init_kv_cache(self, num_blocks: int) -> None:
-        ...
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every worker; their results in rank order."""
 
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; returns the driver worker's output."""
+        """Run one step on every worker; returns the output rank's output."""
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit on every worker (the minimum over workers)."""
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("init_kv_cache", num_blocks)
 
     def shutdown(self) -> None:
         pass
 
+    # ---- faults --------------------------------------------------------------------------
+
+    def add_failure_callback(self, callback: Callable[[WorkerDiedError], None]) -> None:
+        """``callback(error)`` runs once, on whichever thread notices a worker's death."""
+        with self._failure_lock:
+            failure = self.failure
+            if failure is None:
+                self._failure_callbacks.append(callback)
+        if failure is not None:
+            callback(failure)
+
+    def _fail(self, message: str) -> WorkerDiedError:
+        """Record the first failure and tell the listeners; later ones keep the first."""
+        with self._failure_lock:
+            if self.failure is not None:
+                return self.failure
+            self.failure = WorkerDiedError(message)
+            callbacks, self._failure_callbacks = self._failure_callbacks, []
+        logger.error("%s", message)
+        for callback in callbacks:
+            try:
+                callback(self.failure)
+            except Exception:  # a listener's bug must not hide the failure from the others
+                logger.exception("Executor failure callback raised")
+        return self.failure
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
 
 def create_executor(config: EngineConfig) -> Executor:
+    """The executor ``config.executor_backend`` names (``config`` is resolved and checked)."""
     backend = config.executor_backend
-    if backend == "uni" and config.world_size == 1:
+    if backend == "uni":
         from backend.executor.uni import UniExecutor
 
         return UniExecutor(config)
-    raise InvalidRequestError(
-        f"Executor {backend!r} with {config.world_size} worker(s) is not available in this "
-        "version; use tensor_parallel_size=1 and the 'uni' executor.",
-        param="distributed_executor_backend")
+    if backend == "mp":
+        from backend.executor.mp import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    if backend == "ray":
+        from backend.executor.ray import RayExecutor
+
+        return RayExecutor(config)
+    from backend.executor.external_launcher import ExternalLauncherExecutor
+
+    return ExternalLauncherExecutor(config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from backend.config import EngineConfig
 from backend.executor.base import Executor
 from backend.model_runner import ModelRunnerOutput
@@ -15,11 +17,8 @@ class UniExecutor(Executor):
         self.worker = Worker(config)
         self.worker.load_model()
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)

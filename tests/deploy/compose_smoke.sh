@@ -67,6 +67,9 @@ make_tiny_checkpoint(Path(sys.argv[1]), 'llama')" "$work/model" 2>/dev/null
 chmod -R a+rX "$work/model"
 
 export TANDEM_FRONTEND_BASE=$base_image TANDEM_BACKEND_BASE=$base_image TANDEM_LB_IMAGE=$lb_image
+# The shared secret the backends require of the frontends (they listen beyond loopback).
+TANDEM_GRPC_TOKEN=$(python -c "import secrets; print(secrets.token_hex(16))")
+export TANDEM_GRPC_TOKEN
 export TANDEM_FRONTEND_WHEELHOUSE=.wheelhouse/frontend TANDEM_BACKEND_WHEELHOUSE=.wheelhouse/backend
 export TANDEM_PIP_ARGS=--no-index
 export TANDEM_FRONTEND_IMAGE=tandem-frontend:smoke TANDEM_BACKEND_IMAGE=tandem-backend-cpu:smoke

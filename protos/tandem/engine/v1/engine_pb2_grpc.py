@@ -80,8 +80,10 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stops requests now and frees their KV cache. Unknown or already finished
-        request IDs are ignored, so aborting is always safe.
+        """Stops requests now and frees their KV cache. Only requests started by the
+        same caller are stopped (the same client certificate under mutual TLS,
+        else the same connection); unknown, finished or other callers' request
+        IDs are ignored, so aborting is always safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

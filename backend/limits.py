@@ -1,0 +1,142 @@
+"""Limits: every bound on what one client may ask of a server, in one place.
+
+Pure Python (no torch): the HTTP frontend and the gRPC backend both check
+these at their edge, before any work is queued, so no single request can
+exhaust memory or starve the others. Each field is a ``--flag-name`` of the
+processes that enforce it (``FRONTEND_LIMITS``, ``BACKEND_LIMITS``) and its
+error names the flag, so an operator knows what to raise.
+
+Where each is checked:
+
+    check_sampling_params   n, stop strings/token IDs, logprobs: the frontend
+                            before it sends, the engine before it queues
+                            (``LLMEngine.validate``, in process and over gRPC)
+    check_request_id        the gRPC server
+    check_cache_salt        the frontend and the gRPC server
+    the rest                where its comment says
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from backend.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Limits:
+    # ---- one request (both edges) ----
+    max_n: int = 128  # sequences per prompt (OpenAI's cap on n)
+    max_stop_sequences: int = 64  # stop strings, and stop token IDs, each
+    max_stop_sequence_length: int = 1024  # characters in one stop string (matched on every delta)
+    max_logprobs: int = 20  # top alternatives per position (vLLM's --max-logprobs)
+    max_logprob_token_ids: int = 128  # tokens whose logprobs one request asks for by ID (each a vocab-wide rank)
+    max_cache_salt_length: int = 256  # characters
+    max_request_id_length: int = 256  # characters (gRPC GenerateRequest.request_id)
+    # ---- one HTTP request (frontend) ----
+    max_prompts_per_request: int = 1024  # prompts in one /v1/completions list
+    max_sequences_per_request: int = 1024  # prompts x n
+    max_request_body_bytes: int = 32 * 1024 * 1024  # HTTP 413 beyond
+    request_timeout_s: int = 3600  # a generation request's deadline (gRPC deadline -> the engine aborts it)
+    # ---- admission (excess refused at once: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) ----
+    max_concurrent_requests: int = 2048  # frontend: generation requests being answered
+    max_num_queued_requests: int = 1024  # backend: sequences waiting beyond the max_num_seqs running
+    retry_after_s: int = 1  # the Retry-After a refused client is told
+    # ---- transport ----
+    max_grpc_message_bytes: int = 16 * 1024 * 1024  # each gRPC message, both directions, both ends
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise InvalidRequestError(f"{f.name} must be at least 1; got {getattr(self, f.name)}.",
+                                          param=f.name)
+
+    # ---- checks ----
+
+    def check_sampling_params(self, params) -> None:
+        """Raise ``InvalidRequestError`` naming the bound a ``SamplingParams`` exceeds."""
+        self._at_most("n", params.n, self.max_n, "max_n")
+        self._at_most("stop", len(params.stop), self.max_stop_sequences, "max_stop_sequences", what="stop strings")
+        longest = max((len(s) for s in params.stop), default=0)
+        self._at_most("stop", longest, self.max_stop_sequence_length, "max_stop_sequence_length",
+                      what="characters in a stop string")
+        self._at_most("stop_token_ids", len(params.stop_token_ids), self.max_stop_sequences, "max_stop_sequences",
+                      what="stop token IDs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None:
+                self._at_most(name, value, self.max_logprobs, "max_logprobs")
+        if params.logprob_token_ids is not None:
+            self._at_most("logprob_token_ids", len(params.logprob_token_ids), self.max_logprob_token_ids,
+                          "max_logprob_token_ids", what="tokens in logprob_token_ids")
+
+    def check_request_id(self, request_id: str) -> None:
+        if not request_id:
+            raise InvalidRequestError("request_id must not be empty.", param="request_id")
+        self._at_most("request_id", len(request_id), self.max_request_id_length, "max_request_id_length",
+                      what="characters in request_id")
+
+    def check_cache_salt(self, cache_salt: Optional[str]) -> None:
+        if cache_salt is None:
+            return
+        if not cache_salt:
+            raise InvalidRequestError("cache_salt must not be empty when given.", param="cache_salt")
+        self._at_most("cache_salt", len(cache_salt), self.max_cache_salt_length, "max_cache_salt_length",
+                      what="characters in cache_salt")
+
+    def check_prompt_count(self, num_prompts: int, n: int) -> None:
+        self._at_most("n", n, self.max_n, "max_n")
+        self._at_most("prompt", num_prompts, self.max_prompts_per_request, "max_prompts_per_request",
+                      what="prompts in one request")
+        self._at_most("n", num_prompts * n, self.max_sequences_per_request, "max_sequences_per_request",
+                      what="sequences (prompts x n) in one request")
+
+    @staticmethod
+    def _at_most(param: str, value: int, limit: int, setting: str, what: Optional[str] = None) -> None:
+        if value > limit:
+            what = what or param
+            raise InvalidRequestError(
+                f"{what} must be at most {limit} (the server's --{setting.replace('_', '-')}); got {value}.",
+                param=param)
+
+    # ---- command line ----
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+        from backend.config import add_dataclass_cli_args
+
+        group = parser.add_argument_group("limits (checked before any work is queued)")
+        add_dataclass_cli_args(group, cls, list(names), _HELP)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "Limits":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+_HELP = {
+    "max_n": "most sequences one prompt may ask for (n)",
+    "max_stop_sequences": "most stop strings, and most stop token IDs, per request",
+    "max_stop_sequence_length": "most characters in one stop string",
+    "max_logprobs": "most top logprobs per position (logprobs, prompt_logprobs, top_logprobs)",
+    "max_logprob_token_ids": "most tokens one request asks logprobs of by ID (logprob_token_ids)",
+    "max_cache_salt_length": "most characters in cache_salt",
+    "max_request_id_length": "most characters in a gRPC request_id",
+    "max_prompts_per_request": "most prompts in one /v1/completions request",
+    "max_sequences_per_request": "most sequences (prompts x n) in one HTTP request",
+    "max_request_body_bytes": "largest HTTP request body (413 beyond)",
+    "request_timeout_s": "seconds a generation request may take; then the engine aborts it (HTTP 504)",
+    "max_concurrent_requests": "generation requests answered at once; more get 429 with Retry-After",
+    "max_num_queued_requests": "sequences that may wait beyond the max_num_seqs running; "
+                               "more get RESOURCE_EXHAUSTED (HTTP 429)",
+    "retry_after_s": "the Retry-After (seconds) sent with a 429",
+    "max_grpc_message_bytes": "largest gRPC message either way",
+}
+
+# The limits each process enforces, hence its flags (``tandem serve`` passes each its own).
+FRONTEND_LIMITS = ("max_n", "max_stop_sequences", "max_stop_sequence_length", "max_logprobs",
+                   "max_logprob_token_ids", "max_cache_salt_length", "max_prompts_per_request", "max_sequences_per_request",
+                   "max_request_body_bytes", "request_timeout_s", "max_concurrent_requests", "retry_after_s", "max_grpc_message_bytes")
+BACKEND_LIMITS = ("max_n", "max_stop_sequences", "max_logprobs", "max_logprob_token_ids", "max_cache_salt_length",
+                  "max_request_id_length", "max_num_queued_requests", "max_grpc_message_bytes")

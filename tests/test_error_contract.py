@@ -1,0 +1,237 @@
+"""The error contract over both APIs, on the real stack: bad requests get the right 4xx or gRPC
+status (OpenAI error JSON on HTTP, never a 5xx or UNKNOWN), and the server serves a valid request
+after each one, its engine alive.
+
+One backend (a tiny random Llama, in process, on loopback) and one HTTP frontend over it via
+GrpcEngineClient run for the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from backend.config import EngineConfig
+from backend.engine import AsyncLLMEngine
+from backend.limits import Limits
+from backend.server import BackendServer
+from frontend.api_server import create_app
+from frontend.grpc_client import GrpcEngineClient
+from frontend.tokenizer import load_tokenizer
+from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
+from helpers import LoopThread, uvicorn_on
+
+MAX_MODEL_LEN = 64
+VOCAB = 384
+LIMITS = Limits(max_request_body_bytes=1024 * 1024)  # smaller than the default, so a test body is cheap
+
+
+@dataclass
+class Stack:
+    engine: AsyncLLMEngine
+    base_url: str
+    http: httpx.Client
+    channel: grpc.Channel
+    stub: engine_pb2_grpc.EngineServiceStub
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    model_dir = tiny_checkpoint("llama")
+    loop = LoopThread()
+    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=4,
+                                         max_model_len=MAX_MODEL_LEN, max_num_seqs=4), LIMITS)
+    server = BackendServer(engine, "127.0.0.1", 0, limits=LIMITS)
+    loop.run(server.start())
+    address = f"127.0.0.1:{server.port}"
+    info = engine.engine.model_info()
+    client = GrpcEngineClient(address, LIMITS)
+    app = create_app(client, load_tokenizer(info.tokenizer_path), info, limits=LIMITS)
+    try:
+        with uvicorn_on(loop, app) as base_url, httpx.Client(base_url=base_url, timeout=30) as http, \
+                grpc.insecure_channel(address) as channel:
+            yield Stack(engine, base_url, http, channel, engine_pb2_grpc.EngineServiceStub(channel))
+    finally:
+        loop.run(client.close())
+        loop.run(server.stop(0))
+        engine.shutdown()
+        loop.close()
+
+
+def assert_serving(stack: Stack) -> None:
+    """A valid request still gets its answer, over both APIs, and the engine is alive."""
+    response = stack.http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    final = list(stack.stub.Generate(engine_pb2.GenerateRequest(
+        request_id="ok-after", prompt_token_ids=[1, 2], sampling_params=engine_pb2.SamplingParams(max_tokens=1)),
+        timeout=30))[-1]
+    assert final.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    assert stack.engine.dead_error is None
+
+
+# ---- HTTP: (route, body, status, param) -----------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def raw(text: str) -> bytes:
+    """A JSON body written by hand (NaN and infinities are not JSON, but Python's parser takes them)."""
+    return text.encode()
+
+
+HTTP_CASES = [
+    # n and the number of sequences
+    (C, {"prompt": "Hi", "n": 20_000_000}, 400, "n"),
+    (CHAT, {"messages": MESSAGES, "n": 20_000_000}, 400, "n"),
+    (C, {"prompt": "Hi", "n": 129}, 400, "n"),
+    (C, {"prompt": "Hi", "n": 0}, 400, "n"),
+    (C, {"prompt": ["Hi"] * 10_000}, 400, "prompt"),
+    (C, {"prompt": ["Hi"] * 600, "n": 2}, 400, "n"),
+    (C, {"prompt": [[1, 2]] * 1025}, 400, "prompt"),
+    # sizes
+    (C, {"prompt": "x" * (2 * 1024 * 1024)}, 413, None),
+    (C, {"prompt": "Hello " * 20_000}, 400, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hello " * 20_000}]}, 400, "messages"),
+    ("/tokenize", {"prompt": "Hello " * 20_000}, 400, "prompt"),
+    (C, {"prompt": "Hi", "stop": ["a"] * 65}, 400, "stop"),
+    (C, {"prompt": "Hi", "stop": "a" * 1025}, 400, "stop"),
+    (C, {"prompt": "Hi", "stop_token_ids": list(range(65))}, 400, "stop_token_ids"),
+    (C, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
+    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+    (C, {"prompt": "Hi", "cache_salt": "s" * 257}, 400, "cache_salt"),
+    (C, {"prompt": "Hi", "cache_salt": ""}, 400, "cache_salt"),
+    (C, {"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt"),
+    (C, {"prompt": "Hi", "max_tokens": 10_000}, 400, "max_tokens"),
+    # numbers that are not finite
+    (C, raw('{"prompt": "Hi", "temperature": NaN}'), 400, "temperature"),
+    (C, raw('{"prompt": "Hi", "temperature": Infinity}'), 400, "temperature"),
+    (C, raw('{"prompt": "Hi", "top_p": NaN}'), 400, "top_p"),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "Hi"}], "presence_penalty": -Infinity}'), 400,
+     "presence_penalty"),
+    (C, raw('{"prompt": "Hi", "repetition_penalty": NaN}'), 400, "repetition_penalty"),
+    (C, raw('{"prompt": "Hi", "min_p": NaN}'), 400, "min_p"),
+    # values out of range and bad combinations
+    (C, {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    (C, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    (C, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (CHAT, {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
+    # messages
+    (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
+    (CHAT, {"messages": [{"content": "Hi"}]}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    (CHAT, {"prompt": "Hi"}, 400, "messages"),
+    # prompts and token IDs
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": []}, 400, "prompt"),
+    (C, {"prompt": [1, VOCAB]}, 400, "prompt"),
+    (C, {"prompt": [1, -1]}, 400, "prompt"),
+    ("/detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
+    ("/tokenize", {}, 400, "prompt"),
+    # not JSON, not an object, wrong types, unknown model
+    (C, raw('{"prompt": "Hi"'), 400, None),
+    (C, raw("[1, 2, 3]"), 400, None),
+    (C, raw("\xff\xfe garbage"), 400, None),
+    (C, {"prompt": "Hi", "seed": "seven"}, 400, "seed"),
+    (C, {"prompt": "Hi", "model": "no-such-model"}, 404, None),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param", HTTP_CASES,
+                         ids=[f"{i}-{case[0].strip('/').replace('/', '_')}" for i, case in enumerate(HTTP_CASES)])
+def test_bad_http_request_gets_its_4xx_and_openai_error_json(stack, route, body, status, param):
+    if isinstance(body, bytes):
+        response = stack.http.post(route, content=body, headers={"content-type": "application/json"})
+    else:
+        response = stack.http.post(route, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert_serving(stack)
+
+
+def test_a_body_without_a_length_is_cut_at_the_limit(stack):
+    def chunks():
+        for _ in range(4):
+            yield b"x" * (512 * 1024)
+
+    response = stack.http.post(C, content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "--max-request-body-bytes" in response.json()["error"]["message"]
+    assert_serving(stack)
+
+
+def test_the_limit_is_named_in_the_message(stack):
+    message = stack.http.post(C, json={"prompt": "Hi", "n": 20_000_000}).json()["error"]["message"]
+    assert "--max-n" in message and "128" in message
+
+
+# ---- gRPC: (request, status, param) ---------------------------------------------------------------
+
+
+def generate(request_id="bad", prompt=(1, 2), cache_salt=None, **params) -> bytes:
+    return engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt), cache_salt=cache_salt,
+                                      sampling_params=engine_pb2.SamplingParams(**params)).SerializeToString()
+
+
+GRPC_CASES = [
+    ("Generate", generate(n=20_000_000), grpc.StatusCode.INVALID_ARGUMENT, "n"),
+    ("Generate", generate(n=129), grpc.StatusCode.INVALID_ARGUMENT, "n"),
+    ("Generate", generate(request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    ("Generate", generate(request_id="r" * 257), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    ("Generate", generate(temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("Generate", generate(top_p=float("inf")), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("Generate", generate(frequency_penalty=float("-inf")), grpc.StatusCode.INVALID_ARGUMENT, "frequency_penalty"),
+    ("Generate", generate(logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+    ("Generate", generate(prompt_logprobs=1000), grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs"),
+    ("Generate", generate(stop_token_ids=list(range(65))), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
+    ("Generate", generate(prompt=[1] * MAX_MODEL_LEN), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("Generate", generate(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("Generate", generate(prompt=[VOCAB]), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("Generate", generate(cache_salt=""), grpc.StatusCode.INVALID_ARGUMENT, "cache_salt"),
+    ("Generate", generate(cache_salt="s" * 257), grpc.StatusCode.INVALID_ARGUMENT, "cache_salt"),
+    ("Generate", generate(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("Generate", b"\xff\xff\xff\xff garbage", grpc.StatusCode.INVALID_ARGUMENT, None),
+    ("Generate", b"\x0a\xff\xff\xff\xff\x0f", grpc.StatusCode.INVALID_ARGUMENT, None),  # a length past the end
+    ("Abort", b"\x0a\x05ab", grpc.StatusCode.INVALID_ARGUMENT, None),
+    ("GetModelInfo", b"\xff", grpc.StatusCode.INVALID_ARGUMENT, None),
+    ("GetLoad", b"\x08", grpc.StatusCode.INVALID_ARGUMENT, None),
+]
+
+
+@pytest.mark.parametrize("method, payload, code, param", GRPC_CASES,
+                         ids=[f"{i}-{case[0]}" for i, case in enumerate(GRPC_CASES)])
+def test_bad_grpc_request_gets_its_status_never_unknown(stack, method, payload, code, param):
+    path = f"/tandem.engine.v1.EngineService/{method}"
+    streaming = method in ("Generate", "GetTokenizer")
+    call = (stack.channel.unary_stream if streaming else stack.channel.unary_unary)(
+        path, request_serializer=lambda data: data, response_deserializer=lambda data: data)
+    with pytest.raises(grpc.RpcError) as error:
+        result = call(payload, timeout=30)
+        if streaming:
+            list(result)
+    assert error.value.code() == code, error.value.details()
+    assert error.value.details()
+    if param is not None:
+        assert dict(error.value.trailing_metadata())["tandem-error-param"] == param
+    assert_serving(stack)
+
+
+def test_the_backend_stays_healthy_after_all_that(stack):
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    assert stack.http.get("/health").status_code == 200
+    metrics = stack.http.get("/metrics").text
+    assert 'tandem:http_requests_rejected_total{limit="max_request_body_bytes"}' in metrics
+    assert json.loads(stack.http.get("/version").text)["version"]
