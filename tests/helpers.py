@@ -6,7 +6,9 @@ Every wait is bounded; servers listen on 127.0.0.1 with ports from the OS.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -22,6 +24,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM a child that still runs, then SIGKILL it if it has not exited within ``timeout`` s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def http_status(url: str) -> Optional[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from backend.engine import AsyncLLMEngine
 from backend.request import SamplingParams
 from backend.server import BackendServer
 from frontend.grpc_client import BackendUnavailableError, GrpcEngineClient
-from helpers import LoopThread, free_port, wait_for
+from helpers import LoopThread, free_port, stop_process, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POISON = [99, 98, 97]
@@ -109,16 +108,6 @@ def start_backend(model_dir: Path, port: int, log: Path, env: dict, poisoned: bo
     return process
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def health_status(base_url: str) -> int:
     try:
         return httpx.get(base_url + "/health", timeout=3).status_code
@@ -159,8 +148,8 @@ def test_backend_death_exit_and_restart_behind_the_same_frontend(tiny_checkpoint
         assert wait_for(lambda: health_status(base_url) == 200, 15), frontend_log.read_text(errors="replace")
         assert complete(base_url, "Hello").status_code == 200
     finally:
-        stop(frontend)
-        stop(backend)
+        stop_process(frontend)
+        stop_process(backend)
 
 
 def test_a_backend_back_with_another_tokenizer_is_refused_until_the_right_one_returns(tiny_checkpoint, tmp_path):

@@ -11,14 +11,13 @@ import asyncio
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from helpers import free_port, http_status, raw_post, wait_for
+from helpers import free_port, http_status, raw_post, stop_process, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STREAMS = 5000
@@ -70,10 +69,4 @@ def test_5000_concurrent_streams_through_one_frontend(tiny_checkpoint, tmp_path)
         assert "CANCELLED" not in log.read_text(errors="replace")
     finally:
         for process in (frontend, backend):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process)

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import free_port, http_status, raw_post, wait_for
+from helpers import free_port, http_status, raw_post, stop_process, wait_for
 
 pytestmark = pytest.mark.soak
 
@@ -141,10 +140,4 @@ def test_64_stream_soak(tiny_checkpoint, tmp_path):
             assert growth <= 0.05, f"backend RSS grew {growth:+.1%} after the warm-up"
     finally:
         for process in (frontend, backend):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process)
