@@ -77,6 +77,18 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_engine(tiny_checkpoint):
+    """An LLMEngine on the tiny random Llama (fp32, 256 blocks of 4 tokens, 256-token context), per module."""
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
+                                    num_kv_blocks=256, max_model_len=256))
+    yield engine
+    engine.shutdown()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real SmolLM2-135M-Instruct, fetched and converted once into $TANDEM_CACHE."""

@@ -82,6 +82,29 @@ def uvicorn_on(loop: LoopThread, app, **config) -> Iterator[str]:
         served.result(timeout=15)
 
 
+@contextmanager
+def backend_and_frontend(loop: LoopThread, engine, limits=None) -> Iterator[tuple]:
+    """``engine`` behind the backend's gRPC server and a frontend app over it (GrpcEngineClient), both
+    on ``loop``: yields (server, gRPC address, HTTP base URL); stops both, not the engine."""
+    from backend.server import BackendServer
+    from frontend.api_server import create_app
+    from frontend.grpc_client import GrpcEngineClient
+    from frontend.tokenizer import load_tokenizer
+
+    server = BackendServer(engine, "127.0.0.1", 0, limits=limits)
+    loop.run(server.start())
+    address = f"127.0.0.1:{server.port}"
+    info = engine.engine.model_info()
+    client = GrpcEngineClient(address, limits)
+    app = create_app(client, load_tokenizer(info.tokenizer_path), info, limits=limits)
+    try:
+        with uvicorn_on(loop, app) as base_url:
+            yield server, address, base_url
+    finally:
+        loop.run(client.close())
+        loop.run(server.stop(0))
+
+
 def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -20,12 +20,11 @@ from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
 from backend.limits import Limits
 from backend.request import EngineOutput, FinishReason, ModelInfo
-from backend.server import BackendServer
 from frontend.api_server import create_app
 from frontend.grpc_client import GrpcEngineClient
 from frontend.tokenizer import load_tokenizer
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
-from helpers import LoopThread, uvicorn_on, wait_for
+from helpers import LoopThread, backend_and_frontend, uvicorn_on, wait_for
 from conftest import TINY_VOCAB, build_tokenizer
 
 COMPLETION = {"prompt": "Hello", "max_tokens": 4}
@@ -131,18 +130,10 @@ def stack(tiny_checkpoint):
         return step()
 
     engine.engine.step = slow_step
-    server = BackendServer(engine, "127.0.0.1", 0, limits=limits)
-    loop.run(server.start())
-    address = f"127.0.0.1:{server.port}"
-    info = engine.engine.model_info()
-    client = GrpcEngineClient(address, limits)
-    app = create_app(client, load_tokenizer(info.tokenizer_path), info, limits=limits)
     try:
-        with uvicorn_on(loop, app) as base_url:
+        with backend_and_frontend(loop, engine, limits) as (server, address, base_url):
             yield SimpleNamespace(base_url=base_url, address=address, engine=engine, server=server, loop=loop)
     finally:
-        loop.run(client.close())
-        loop.run(server.stop(0))
         engine.shutdown()
         loop.close()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.errors import InvalidRequestError
 from backend.request import FinishReason, SamplingParams
@@ -14,11 +13,8 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
-                                    num_kv_blocks=256, max_model_len=256))
-    yield engine
-    engine.shutdown()
+def engine(tiny_llama_engine):
+    return tiny_llama_engine
 
 
 def run(engine: LLMEngine, params: SamplingParams, prompt=PROMPT) -> dict:

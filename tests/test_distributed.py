@@ -28,6 +28,7 @@ from backend.engine import AsyncLLMEngine, LLMEngine
 from backend.errors import EngineDeadError, InvalidRequestError, WorkerDiedError
 from backend.request import SamplingParams
 from backend.server import BackendServer
+from helpers import LoopThread
 from distributed_helpers import child_pids, is_alive, no_leftover_children, wait_until  # noqa: F401
 from test_correctness import make_engine, random_prompts, run_engine
 
@@ -197,21 +198,6 @@ def test_a_worker_killed_mid_generation_fails_the_engine_within_seconds(tiny_che
         assert_workers_gone(engine)  # the survivor is stopped too, not left in a collective
     finally:
         engine.shutdown()
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 def test_an_idle_worker_death_turns_health_not_serving_and_requests_unavailable(tiny_checkpoint):

@@ -19,12 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
 from backend.limits import Limits
-from backend.server import BackendServer
-from frontend.api_server import create_app
-from frontend.grpc_client import GrpcEngineClient
-from frontend.tokenizer import load_tokenizer
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
-from helpers import LoopThread, uvicorn_on
+from helpers import LoopThread, backend_and_frontend
 
 MAX_MODEL_LEN = 64
 VOCAB = 384
@@ -46,19 +42,11 @@ def stack(tiny_checkpoint):
     loop = LoopThread()
     engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=4,
                                          max_model_len=MAX_MODEL_LEN, max_num_seqs=4), LIMITS)
-    server = BackendServer(engine, "127.0.0.1", 0, limits=LIMITS)
-    loop.run(server.start())
-    address = f"127.0.0.1:{server.port}"
-    info = engine.engine.model_info()
-    client = GrpcEngineClient(address, LIMITS)
-    app = create_app(client, load_tokenizer(info.tokenizer_path), info, limits=LIMITS)
     try:
-        with uvicorn_on(loop, app) as base_url, httpx.Client(base_url=base_url, timeout=30) as http, \
-                grpc.insecure_channel(address) as channel:
+        with backend_and_frontend(loop, engine, LIMITS) as (_, address, base_url), \
+                httpx.Client(base_url=base_url, timeout=30) as http, grpc.insecure_channel(address) as channel:
             yield Stack(engine, base_url, http, channel, engine_pb2_grpc.EngineServiceStub(channel))
     finally:
-        loop.run(client.close())
-        loop.run(server.stop(0))
         engine.shutdown()
         loop.close()
 

@@ -29,11 +29,8 @@ BOUNDED_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
-                                    num_kv_blocks=256, max_model_len=256))
-    yield engine
-    engine.shutdown()
+def engine(tiny_llama_engine):
+    return tiny_llama_engine
 
 
 def run(engine: LLMEngine, requests: dict[str, SamplingParams], prompt=(5, 6, 7, 8)) -> dict:
