@@ -49,6 +49,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerFast
 
+from backend.auth import TOKEN_ENV  # read when --backend-auth-token is not given
 from backend.config import EngineConfig
 from backend.errors import InvalidRequestError, OverloadedError, TandemError
 from backend.limits import FRONTEND_LIMITS, Limits
@@ -75,7 +76,6 @@ logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = b"x-request-id"
 API_KEY_ENV = "TANDEM_API_KEY"  # read when --api-key is not given (keeps the key out of `ps`)
-BACKEND_TOKEN_ENV = "TANDEM_GRPC_TOKEN"  # read when --backend-auth-token is not given
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -532,8 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     Limits.add_cli_args(parser, FRONTEND_LIMITS)
     security = parser.add_argument_group("the backend connection's security (see `tandem backend --help`)")
-    security.add_argument("--backend-auth-token", default=os.environ.get(BACKEND_TOKEN_ENV),
-                          help=f"the backend's --auth-token (default: ${BACKEND_TOKEN_ENV})")
+    security.add_argument("--backend-auth-token", default=os.environ.get(TOKEN_ENV),
+                          help=f"the backend's --auth-token (default: ${TOKEN_ENV})")
     security.add_argument("--backend-ssl-ca-certs", default=None,
                           help="use TLS, trusting backend certificates this CA signed (PEM)")
     security.add_argument("--backend-ssl-certfile", default=None, help="client certificate for mutual TLS (PEM)")

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
+from backend.auth import TOKEN_ENV
 from backend.config import EngineConfig
 from backend.errors import TandemError
 from backend.limits import BACKEND_LIMITS, FRONTEND_LIMITS, Limits
@@ -158,7 +159,7 @@ def serve(args: argparse.Namespace) -> int:
         frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
     backend_env = dict(os.environ)
     if args.auth_token:  # both ends read it from the environment, not the command line
-        backend_env["TANDEM_GRPC_TOKEN"] = frontend_env["TANDEM_GRPC_TOKEN"] = args.auth_token
+        backend_env[TOKEN_ENV] = frontend_env[TOKEN_ENV] = args.auth_token
     # Both start at once: the frontend loads its libraries while the backend loads the model.
     backend = _Child("backend", backend_argv, backend_env)
     frontend = _Child("frontend", frontend_argv, frontend_env)
@@ -258,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds running requests get to finish on SIGINT/SIGTERM")
-    serve_parser.add_argument("--auth-token", default=os.environ.get("TANDEM_GRPC_TOKEN"),
+    serve_parser.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV),
                               help="a token the backend requires on its loopback gRPC port, so other local users "
                                    "cannot use it (default: $TANDEM_GRPC_TOKEN)")
     Limits.add_cli_args(serve_parser, tuple(dict.fromkeys(FRONTEND_LIMITS + BACKEND_LIMITS)))

@@ -31,6 +31,7 @@ from typing import AsyncIterator, Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from backend.auth import AUTH_METADATA_KEY
 from backend.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestTimeoutError, TandemError
 from backend.limits import Limits
 from backend.request import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs, SamplingParams
@@ -39,8 +40,6 @@ from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 ERROR_PARAM_METADATA_KEY = "tandem-error-param"
-AUTH_METADATA_KEY = "authorization"  # the backend's token check (backend/auth.py): "Bearer <token>"
-TOKEN_ENV = "TANDEM_GRPC_TOKEN"
 UNARY_TIMEOUT_S = 30.0  # a backend that does not answer a unary call by then counts as unavailable
 HEALTH_TIMEOUT_S = 1.0
 # Reconnect within about a second of a restarted backend coming back (gRPC's default backoff
