@@ -8,12 +8,20 @@
                               per output channel; activations stay fp32 (kernels/cpu.py's kernel),
                               so the result is the matmul with the dequantized weight
 
+oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
+own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
+batch row counts keep changing, a process grew by ~1 GB before they filled. The first
+``OneDnnLinearMethod`` bounds both (``ONEDNN_CACHE_CAPACITY`` entries; an explicit
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``LRU_CACHE_CAPACITY`` in the environment wins). Both are
+read at the process's first oneDNN call, which is the first weight reorder.
+
 A method's ``process_weights_after_loading`` replaces the layer's loaded weight by its own form
 (the plain weight is then freed unless another module shares it, as a tied LM head does).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -23,10 +31,17 @@ from backend.models.linear import LinearBase, LinearMethod
 
 QUANTIZATIONS = ("int8",)
 
+# Entries in each oneDNN cache: a step uses ~5 linear shapes at its row count (layers of one
+# shape share primitives), so this keeps ~12 row counts; a miss costs ~1 ms (bench on issue 10).
+ONEDNN_CACHE_CAPACITY = 64
+
 
 class OneDnnLinearMethod(LinearMethod):
     # oneDNN picks its blocking for this batch size; measured best across batches 2..128 here.
     BATCH_HINT = 32
+
+    def __init__(self) -> None:
+        bound_onednn_caches()
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), self.BATCH_HINT)
@@ -46,6 +61,13 @@ class Int8LinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return kernels.cpu.int8_linear(x, layer.int8_weight, layer.weight_scale, bias)
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Bound oneDNN's primitive cache and ideep's LRU cache, unless the environment already does;
+    takes effect only before the process's first oneDNN call."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
