@@ -158,3 +158,10 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] float32 @ (weight [N, K] int8 * scale [N])^T + bias -> [M, N] float32."""
     return torch.ops.tandem_cpu.int8_linear(x, weight, scale, bias)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """kernels.reference.w8a8_linear: x [M, K] float32 quantized per row and 32-wide block, times
+    (weight [N, K] int8 * scale [N])^T, + bias -> [M, N] float32."""
+    return torch.ops.tandem_cpu.w8a8_linear(x, weight, scale, bias)

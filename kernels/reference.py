@@ -106,6 +106,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---- KV cache ---------------------------------------------------------------------
 
+ACTIVATION_BLOCK = 32  # w8a8: activations share one int8 scale per row and 32-wide block along K
+
+
+def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q [M, K] int8, scale [M, ceil(K / 32)] float32): per row and block of
+    ``ACTIVATION_BLOCK``, s = max|x| / 127 and q = round(x / s) (half to even; 0 where s = 0)."""
+    m, k = x.shape
+    blocks = -(-k // ACTIVATION_BLOCK)
+    padded = F.pad(x, (0, blocks * ACTIVATION_BLOCK - k)).view(m, blocks, ACTIVATION_BLOCK)
+    scale = padded.abs().amax(dim=2) / 127.0  # [M, blocks]
+    q = torch.where(scale.unsqueeze(2) > 0, padded / scale.unsqueeze(2), torch.zeros_like(padded))
+    return torch.round(q).to(torch.int8).view(m, -1)[:, :k], scale
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32, weight [N, K] int8, scale [N], bias [N] or None -> [M, N] float32:
+    x quantized by ``quantize_activation_blocks``; each block's products summed exactly, times
+    its activation scale, summed over blocks, times the weight's scale, plus the bias."""
+    m, k = x.shape
+    q, x_scale = quantize_activation_blocks(x)
+    blocks = x_scale.shape[1]
+    pad = blocks * ACTIVATION_BLOCK - k
+    qb = F.pad(q.long(), (0, pad)).view(m, blocks, ACTIVATION_BLOCK)  # [M, B, 32]
+    wb = F.pad(weight.long(), (0, pad)).view(-1, blocks, ACTIVATION_BLOCK)  # [N, B, 32]
+    dots = torch.einsum("mbk,nbk->mnb", qb, wb)  # [M, N, B], exact integers
+    out = (dots.double() * x_scale.double().unsqueeze(1)).sum(dim=2) * scale.double()
+    return (out if bias is None else out + bias.double()).float()
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
     """The shape of one layer's K (or V) cache: the one definition of the layout."""
     return (num_blocks, num_kv_heads, block_size, head_dim)

@@ -157,3 +157,28 @@ def test_int8_linear_equals_its_dequantized_reference(m, k, n):
     # A row's result does not depend on the rows batched with it.
     torch.testing.assert_close(cpu.int8_linear(x[:1], weight, scale, None)[0],
                                cpu.int8_linear(x, weight, scale, None)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 12), (6, 96, 9), (9, 70, 5)])  # a partial block; 4-row tiles
+def test_w8a8_linear_equals_its_reference(m, k, n):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(m, k, generator=gen) * 4
+    x[-1, :32] = 0  # an all-zero block: scale 0
+    weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.02
+    bias = torch.randn(n, generator=gen)
+    for b in (bias, None):
+        torch.testing.assert_close(cpu.w8a8_linear(x, weight, scale, b), reference.w8a8_linear(x, weight, scale, b),
+                                   atol=1e-5, rtol=1e-5)
+    whole = cpu.w8a8_linear(x, weight, scale, None)
+    for i in range(m):  # a row's result does not depend on the rows batched with it
+        assert torch.equal(cpu.w8a8_linear(x[i:i + 1], weight, scale, None)[0], whole[i])
+
+
+def test_w8a8_reference_quantizes_each_block_to_its_own_scale():
+    x = torch.cat([torch.full((1, 32), 0.5), torch.linspace(-8, 8, 40).unsqueeze(0)], dim=1)  # [1, 72]
+    q, s = reference.quantize_activation_blocks(x)
+    assert q.shape == (1, 72) and s.shape == (1, 3)
+    assert torch.equal(q[0, :32], torch.full((32,), 127, dtype=torch.int8))
+    torch.testing.assert_close(s[0], torch.tensor([0.5, 8.0, 8.0]) / 127)
+    assert ((q.float() * s.repeat_interleave(32, dim=1)[:, :72] - x).abs() <= s.repeat_interleave(32, dim=1)[:, :72] / 2 + 1e-6).all()

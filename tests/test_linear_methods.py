@@ -8,13 +8,14 @@ import sys
 
 import pytest
 import torch
+import kernels.reference
 import transformers as T
 
 from backend.config import EngineConfig
 from backend.errors import InvalidRequestError
 from backend.models.linear import ReplicatedLinear
 from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, Int8LinearMethod, OneDnnLinearMethod,
-                                           linear_method_for, quantize_int8)
+                                           W8A8LinearMethod, linear_method_for, quantize_int8)
 from backend.request import SamplingParams
 from test_correctness import hf_greedy, make_engine, random_prompts, run_engine
 
@@ -85,7 +86,8 @@ def test_int8_method_computes_the_dequantized_matmul(rows):
 def test_method_choice():
     cpu = torch.device("cpu")
     assert isinstance(linear_method_for(cpu, torch.float32, None), OneDnnLinearMethod)
-    assert isinstance(linear_method_for(cpu, torch.float32, "int8"), Int8LinearMethod)
+    assert type(linear_method_for(cpu, torch.float32, "int8")) is Int8LinearMethod
+    assert type(linear_method_for(cpu, torch.float32, "w8a8")) is W8A8LinearMethod
     assert type(linear_method_for(torch.device("meta"), torch.float32, None)).__name__ == "LinearMethod"
 
 
@@ -119,3 +121,15 @@ def test_int8_engine_equals_hf_on_the_dequantized_weights(tiny_checkpoint, tmp_p
     assert run_engine(engine, prompts, params) == hf_greedy(dequantized, prompts, 12)
     linears = [m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "linear_method")]
     assert linears and all(m.int8_weight.dtype == torch.int8 for m in linears)  # the LM head too
+
+
+def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint("llama"), quantization="w8a8")
+    prompts = random_prompts([3, 17, 40], 384)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    batched = run_engine(engine, prompts, params)
+    assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
+    layer = next(m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "int8_weight"))
+    x = torch.randn(3, layer.int8_weight.shape[1])
+    torch.testing.assert_close(layer(x), kernels.reference.w8a8_linear(x, layer.int8_weight, layer.weight_scale, None),
+                               atol=1e-5, rtol=1e-5)

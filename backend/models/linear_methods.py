@@ -7,6 +7,12 @@
     Int8LinearMethod          CPU, ``quantization="int8"``: weight-only int8, one symmetric scale
                               per output channel; activations stay fp32 (kernels/cpu.py's kernel),
                               so the result is the matmul with the dequantized weight
+    W8A8LinearMethod          CPU, ``quantization="w8a8"``: the same int8 weights; activations
+                              quantized per row and 32-wide block on the fly, products summed
+                              exactly in int32 (kernels.reference.w8a8_linear). At batch 1 the
+                              int8 -> float conversions bound the int8 kernel; integer dot
+                              products are not, and reach the memory bandwidth (1.5x faster).
+                              Approximate: no float model computes the same
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
 own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
@@ -29,7 +35,6 @@ import torch
 import kernels.cpu
 from backend.models.linear import LinearBase, LinearMethod
 
-QUANTIZATIONS = ("int8",)
 
 # Entries in each oneDNN cache: a step uses ~5 linear shapes at its row count (layers of one
 # shape share primitives), so this keeps ~12 row counts; a miss costs ~1 ms (bench on issue 10).
@@ -52,15 +57,24 @@ class OneDnnLinearMethod(LinearMethod):
 
 
 class Int8LinearMethod(LinearMethod):
+    name = "int8"
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if not kernels.cpu.available():
-            raise RuntimeError(f"quantization='int8' needs the fused CPU kernels: "
+            raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
                                f"{kernels.cpu.unavailable_reason()}")
         layer.int8_weight, layer.weight_scale = quantize_int8(layer.weight.detach().float())
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return kernels.cpu.int8_linear(x, layer.int8_weight, layer.weight_scale, bias)
+
+
+class W8A8LinearMethod(Int8LinearMethod):
+    name = "w8a8"
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return kernels.cpu.w8a8_linear(x, layer.int8_weight, layer.weight_scale, bias)
 
 
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
@@ -88,7 +102,7 @@ def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Op
     if quantization is not None:
         if device.type != "cpu" or not kernels.cpu.available():
             raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only")
-        return Int8LinearMethod()
+        return W8A8LinearMethod() if quantization == "w8a8" else Int8LinearMethod()
     if device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
         return OneDnnLinearMethod()
     return LinearMethod()

@@ -629,6 +629,136 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
   return out;
 }
 
+
+// ---- int8 weights x int8 activations (w8a8) -------------------------------------------
+// Activations are quantized on the fly in blocks of kQBlock along K (one symmetric scale per
+// row and block, round half to even), weights are the int8 per-channel weights above. A block's
+// products are summed exactly in int32, per lane: lane i holds bytes 4i..4i+3 of the block, as
+// AVX2's maddubs + madd leave them; each lane then accumulates float(lane) * x_scale in float,
+// and the lanes are summed by hsum. The order depends on K only, never on M (batch-invariant).
+constexpr int64_t kQBlock = 32;
+
+// x [K] -> q [K] int8, scale [ceil(K / kQBlock)]: per block s = max|x| / 127, q = round(x / s).
+inline void quantize_row(const float* x, int64_t k_size, int8_t* q, float* scale) {
+  for (int64_t b0 = 0, b = 0; b0 < k_size; b0 += kQBlock, ++b) {
+    const int64_t n = std::min(kQBlock, k_size - b0);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[b0 + i]));
+    const float s = amax / 127.0f;
+    scale[b] = s;
+    for (int64_t i = 0; i < n; ++i) q[b0 + i] = s > 0.0f ? static_cast<int8_t>(std::nearbyint(x[b0 + i] / s)) : 0;
+  }
+}
+
+// The 8 int32 lane sums of one full block: lane i = sum over bytes 4i..4i+3 of w * x.
+inline vi block_lanes(const int8_t* w, const int8_t* x) {
+#if defined(__AVX2__)
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  // |w| (unsigned) times x with w's sign: products fit int16 pairs (2 * 127 * 127 < 2^15).
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+  const __m256i lanes = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  vi v;
+  std::memcpy(&v, &lanes, sizeof v);
+  return v;
+#else
+  vi v;
+  for (int i = 0; i < 8; ++i) {
+    int32_t sum = 0;
+    for (int j = 4 * i; j < 4 * i + 4; ++j) sum += static_cast<int32_t>(w[j]) * x[j];
+    v[i] = sum;
+  }
+  return v;
+#endif
+}
+
+// out[m, n0 + j] for MT rows from m0 and NT weight rows from n0.
+template <int NT, int MT>
+inline void w8a8_tile(float* out, int64_t n_size, const int8_t* xq, const float* xs, int64_t kb,
+                      const int8_t* w, const float* scale, const float* bias, int64_t k_size, int64_t n0,
+                      int64_t m0) {
+  if (m0 == 0)
+    for (int64_t j = 0; j < NT && n0 + j + kPrefetchRows < n_size; ++j)
+      prefetch_run(w + (n0 + j + kPrefetchRows) * k_size, k_size);
+  vf acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = vsplat(0.0f);
+  const int64_t full = k_size / kQBlock;
+  for (int64_t b = 0; b < full; ++b) {
+    for (int i = 0; i < MT; ++i) {
+      const vf s = vsplat(xs[(m0 + i) * kb + b]);
+      const int8_t* x = xq + (m0 + i) * k_size + b * kQBlock;
+      for (int j = 0; j < NT; ++j)
+        acc[i][j] += __builtin_convertvector(block_lanes(w + (n0 + j) * k_size + b * kQBlock, x), vf) * s;
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) {
+      float sum = hsum(acc[i][j]);
+      if (full < kb) {  // a last, partial block
+        int32_t tail = 0;
+        for (int64_t r = full * kQBlock; r < k_size; ++r)
+          tail += static_cast<int32_t>(w[(n0 + j) * k_size + r]) * xq[(m0 + i) * k_size + r];
+        sum += static_cast<float>(tail) * xs[(m0 + i) * kb + full];
+      }
+      out[(m0 + i) * n_size + n0 + j] = sum * scale[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+template <int NT>
+inline void w8a8_columns(float* out, int64_t n_size, const int8_t* xq, const float* xs, int64_t kb,
+                         const int8_t* w, const float* scale, const float* bias, int64_t m_size,
+                         int64_t k_size, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= m_size; m0 += 4) w8a8_tile<NT, 4>(out, n_size, xq, xs, kb, w, scale, bias, k_size, n0, m0);
+  for (; m0 < m_size; ++m0) w8a8_tile<NT, 1>(out, n_size, xq, xs, kb, w, scale, bias, k_size, n0, m0);
+}
+
+// out [M, N] = dequant(quantize_blocks(x)) @ (weight [N, K] int8 * scale [N])^T + bias [N].
+Tensor w8a8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                   const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "w8a8_linear: x must be float32 [M, K] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+              weight.size(1) == x.size(1), "w8a8_linear: weight must be contiguous int8 [N, K]");
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = weight.size(0);
+  const int64_t kb = (k_size + kQBlock - 1) / kQBlock;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_size,
+              "w8a8_linear: scale must be float32 [N]");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
+                "w8a8_linear: bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  std::vector<int8_t> xq(m_size * k_size);
+  std::vector<float> xs(m_size * kb);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m_size, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(xp + m * x.stride(0), k_size, xq.data() + m * k_size, xs.data() + m * kb);
+  });
+  Tensor out = at::empty({m_size, n_size}, x.options());
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // One weight row per tile at batch 1 (measured best: a single stream per core reaches its
+  // bandwidth), else 2 (each |w| serves up to 4 rows of x per block).
+  const int64_t tile = m_size == 1 ? 1 : 2;
+  at::parallel_for(0, (n_size + tile - 1) / tile, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile;
+      if (tile == 1 || n0 + tile > n_size) {
+        for (int64_t n = n0; n < std::min(n0 + tile, n_size); ++n)
+          w8a8_columns<1>(op, n_size, xq.data(), xs.data(), kb, wp, sp, b, m_size, k_size, n);
+      } else {
+        w8a8_columns<2>(op, n_size, xq.data(), xs.data(), kb, wp, sp, b, m_size, k_size, n0);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -642,6 +772,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
         "int head_dim, bool is_neox) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("attention_block(Tensor(a!) qkv, Tensor positions, Tensor? cos_sin_cache, bool is_neox, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
@@ -656,4 +787,5 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("attention_block", &attention_block);
   m.impl("int8_linear", &int8_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
 }
