@@ -64,7 +64,7 @@ FIELD_HELP = {
     "download_dir": "where fetched and converted models live (default: $TANDEM_CACHE or ~/.cache/tandem)",
     "quantization": "int8 weights on the CPU: int8 (weight-only, float32 activations: the matmul "
                     "with the dequantized weights) or w8a8 (activations also quantized, per 32-wide "
-                    "block: ~1.5x faster at batch 1, approximate) (default: the checkpoint's precision)",
+                    "block: a ~1.3x faster decode step at batch 1, approximate) (default: the checkpoint's precision)",
     "speculative_config": 'speculative decoding by n-gram prompt lookup, vLLM\'s JSON, e.g. '
                           '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                           '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\' (default: off)',
