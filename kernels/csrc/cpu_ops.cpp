@@ -647,25 +647,31 @@ inline void int8_columns(float* out, const float* x, int64_t x_stride, const int
   rows(buf.data() - n0 * k_size, n0);
 }
 
+// The int8 linears' arguments: x float32 [M, K] (rows contiguous), weight contiguous int8 [N, K],
+// scale float32 [N], bias float32 [N] or none. Returns the bias data (nullptr without one).
+const float* checked_int8_linear_bias(const char* op, const Tensor& x, const Tensor& weight, const Tensor& scale,
+                                      const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              op, ": x must be float32 [M, K] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+              weight.size(1) == x.size(1), op, ": weight must be contiguous int8 [N, K]");
+  const int64_t n_size = weight.size(0);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_size,
+              op, ": scale must be float32 [N]");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
+              op, ": bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
+
 // out [M, N] = x [M, K] @ (weight [N, K] int8 * scale [N])^T + bias [N]: weight-only int8 with
 // float activations. Every output's sum runs over k in the same order whatever M is, so a
 // request's results do not depend on the batch it shares a step with.
 Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                    const c10::optional<Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "int8_linear: x must be float32 [M, K] with contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
-              weight.size(1) == x.size(1), "int8_linear: weight must be contiguous int8 [N, K]");
+  const float* b = checked_int8_linear_bias("int8_linear", x, weight, scale, bias);
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = weight.size(0);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_size,
-              "int8_linear: scale must be float32 [N]");
   Tensor out = at::empty({m_size, n_size}, x.options());
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
-                "int8_linear: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -779,20 +785,9 @@ inline void w8a8_columns(float* out, int64_t n_size, const int8_t* xq, const flo
 // out [M, N] = dequant(quantize_blocks(x)) @ (weight [N, K] int8 * scale [N])^T + bias [N].
 Tensor w8a8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                    const c10::optional<Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "w8a8_linear: x must be float32 [M, K] with contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
-              weight.size(1) == x.size(1), "w8a8_linear: weight must be contiguous int8 [N, K]");
+  const float* b = checked_int8_linear_bias("w8a8_linear", x, weight, scale, bias);
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = weight.size(0);
   const int64_t kb = (k_size + kQBlock - 1) / kQBlock;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_size,
-              "w8a8_linear: scale must be float32 [N]");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
-                "w8a8_linear: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
   std::vector<int8_t> xq(m_size * k_size);
   std::vector<float> xs(m_size * kb);
   const float* xp = x.data_ptr<float>();
