@@ -11,8 +11,8 @@
                               quantized per row and 32-wide block on the fly, products summed
                               exactly in int32 (kernels.reference.w8a8_linear). At batch 1 the
                               int8 -> float conversions bound the int8 kernel; integer dot
-                              products are not, and reach the memory bandwidth (the matmuls 1.6x faster).
-                              Approximate: no float model computes the same
+                              products do not convert, and run near the memory bandwidth (the
+                              matmuls 1.6x faster). Approximate: no float model computes the same.
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
 own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
