@@ -14,7 +14,8 @@
 // Compiled with -ffp-contract=off: the elementwise ops round after each
 // multiply and add exactly as the torch reference does (no fused multiply-add),
 // so in fp32 rotary and norms give the reference's bits. Attention and SiLU use a
-// polynomial exp (~1 ulp) that vectorizes; neither is bit-equal to torch's.
+// polynomial exp (~1 ulp) that vectorizes; neither is bit-equal to torch's, and attention's
+// dot products use fused multiply-adds (vfma) where the CPU has them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -89,6 +90,15 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
+// a * b + c: fused where the CPU has FMA (attention only; the elementwise ops round apart).
+inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 inline float exp_scalar(float x) {
   vf v = vexp(vsplat(x));
   return v[0];
@@ -128,7 +138,7 @@ inline void dots_tile(float* out, int64_t out_stride, const float* q, const floa
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
     const vf kv = vload(k + i);
-    for (int j = 0; j < N; ++j) acc[j] += vload(q + j * d + i) * kv;
+    for (int j = 0; j < N; ++j) acc[j] = vfma(vload(q + j * d + i), kv, acc[j]);
   }
   for (int j = 0; j < N; ++j) {
     float s = hsum(acc[j]);
@@ -145,15 +155,38 @@ inline void dots8(float* out, const float* q, const float* k, int64_t d) {
   for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += kLanes) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int r = 0; r < 8; ++r) a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(qv, _mm256_loadu_ps(k + r * d + i)));
+    for (int r = 0; r < 8; ++r) a[r] = vfma(qv, _mm256_loadu_ps(k + r * d + i), a[r]);
   }
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 }
+
+// out[j * out_stride + r] = q[j] . k[r] for 3 query heads q [3, d] and 4 key rows k [4, d] (d a
+// multiple of kLanes): each key vector is loaded once for the 3 heads that share it (measured:
+// ~6% faster batch-32 attention than dots8 per head).
+inline void dots_4rows_3heads(float* out, int64_t out_stride, const float* q, const float* k, int64_t d) {
+  __m256 a[3][4];
+  for (int j = 0; j < 3; ++j)
+    for (int r = 0; r < 4; ++r) a[j][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += kLanes) {
+    const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + d + i), q2 = _mm256_loadu_ps(q + 2 * d + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 kv = _mm256_loadu_ps(k + r * d + i);
+      a[0][r] = vfma(q0, kv, a[0][r]);
+      a[1][r] = vfma(q1, kv, a[1][r]);
+      a[2][r] = vfma(q2, kv, a[2][r]);
+    }
+  }
+  for (int j = 0; j < 3; ++j) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[j][0], a[j][1]), _mm256_hadd_ps(a[j][2], a[j][3]));
+    _mm_storeu_ps(out + j * out_stride, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  }
+}
 constexpr bool kHaveDots8 = true;
 #else
 inline void dots8(float*, const float*, const float*, int64_t) {}
+inline void dots_4rows_3heads(float*, int64_t, const float*, const float*, int64_t) {}
 constexpr bool kHaveDots8 = false;
 #endif
 
@@ -214,7 +247,7 @@ inline void accumulate_v_tile(float* acc, const float* scores, int64_t len, int6
       for (int h = 0; h < CH; ++h) vv[h] = vload(v + i * head_dim + c + h * kLanes);
       for (int j = 0; j < NG; ++j) {
         const vf sc = vsplat(scores[j * len + t0 + i]);
-        for (int h = 0; h < CH; ++h) a[j][h] += sc * vv[h];
+        for (int h = 0; h < CH; ++h) a[j][h] = vfma(sc, vv[h], a[j][h]);
       }
     }
     for (int j = 0; j < NG; ++j)
@@ -225,7 +258,7 @@ inline void accumulate_v_tile(float* acc, const float* scores, int64_t len, int6
     for (int j = 0; j < NG; ++j) a[j] = vload(acc + j * head_dim + c);
     for (int64_t i = 0; i < n; ++i) {
       const vf vv = vload(v + i * head_dim + c);
-      for (int j = 0; j < NG; ++j) a[j] += vsplat(scores[j * len + t0 + i]) * vv;
+      for (int j = 0; j < NG; ++j) a[j] = vfma(vsplat(scores[j * len + t0 + i]), vv, a[j]);
     }
     for (int j = 0; j < NG; ++j) vstore(acc + j * head_dim + c, a[j]);
   }
@@ -274,8 +307,13 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
     const float* k = row_as_float(block_at(k_cache, b), rows, n * head_dim);
     int64_t i = 0;
     if (kHaveDots8 && head_dim % kLanes == 0)
-      for (; i + 8 <= n; i += 8)
-        for (int64_t g = 0; g < group; ++g) dots8(scores + g * len + t0 + i, q + g * head_dim, k + i * head_dim, head_dim);
+      for (; i + 8 <= n; i += 8) {
+        int64_t g = 0;
+        for (; g + 3 <= group; g += 3)
+          for (int64_t r = i; r < i + 8; r += 4)
+            dots_4rows_3heads(scores + g * len + t0 + r, len, q + g * head_dim, k + r * head_dim, head_dim);
+        for (; g < group; ++g) dots8(scores + g * len + t0 + i, q + g * head_dim, k + i * head_dim, head_dim);
+      }
     for (; i < n; ++i) dots(scores + t0 + i, len, q, k + i * head_dim, group, head_dim);
   }
   for (int64_t g = 0; g < group; ++g) {
