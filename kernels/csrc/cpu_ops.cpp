@@ -229,20 +229,27 @@ inline void prefetch_run(const T* run, int64_t n) {
 
 constexpr int64_t kMaxGroupTile = 8;  // query heads whose V accumulators live in registers
 
-// acc[j] (head_dim floats, j < NG) += sum over the block's n keys of scores[j * len + t0 + i] * v[i].
+// Attention prefetches the next cache block while it computes on one, a few rows at a time between
+// the dot products: one burst of the whole block's lines stalls the core until most have arrived,
+// so memory and compute did not overlap (measured: batch-32 attention ~8% faster spread).
+
+// acc[j] (head_dim floats, j < NG) += sum over the block's n keys of scores[j * len + t0 + i] * v[i];
+// prefetches row i of `next` (rows of next_row_bytes; may be null) as it reads row i.
 // NG is a template argument so the accumulators stay in registers (a runtime count spilled them
 // to the stack: 2x slower attention at batch 32).
 template <int NG>
 inline void accumulate_v_tile(float* acc, const float* scores, int64_t len, int64_t t0, const float* v,
-                              int64_t n, int64_t head_dim) {
+                              int64_t n, int64_t head_dim, const char* next, int64_t next_row_bytes) {
   // CH chunks of kLanes columns at once: NG * CH independent accumulators hide the add latency.
   constexpr int CH = NG <= 1 ? 8 : NG <= 3 ? 4 : NG <= 6 ? 2 : 1;
+  if (next && head_dim < CH * kLanes) prefetch_run(next, n * next_row_bytes);  // no pass below to spread it over
   int64_t c = 0;
   for (; c + CH * kLanes <= head_dim; c += CH * kLanes) {
     vf a[NG][CH];
     for (int j = 0; j < NG; ++j)
       for (int h = 0; h < CH; ++h) a[j][h] = vload(acc + j * head_dim + c + h * kLanes);
     for (int64_t i = 0; i < n; ++i) {
+      if (next && c == 0) prefetch_run(next + i * next_row_bytes, next_row_bytes);
       vf vv[CH];
       for (int h = 0; h < CH; ++h) vv[h] = vload(v + i * head_dim + c + h * kLanes);
       for (int j = 0; j < NG; ++j) {
@@ -268,16 +275,16 @@ inline void accumulate_v_tile(float* acc, const float* scores, int64_t len, int6
 }
 
 inline void accumulate_v(float* acc, const float* scores, int64_t len, int64_t t0, const float* v, int64_t n,
-                         int64_t head_dim, int64_t ng) {
+                         int64_t head_dim, int64_t ng, const char* next, int64_t next_row_bytes) {
   switch (ng) {
-    case 1: return accumulate_v_tile<1>(acc, scores, len, t0, v, n, head_dim);
-    case 2: return accumulate_v_tile<2>(acc, scores, len, t0, v, n, head_dim);
-    case 3: return accumulate_v_tile<3>(acc, scores, len, t0, v, n, head_dim);
-    case 4: return accumulate_v_tile<4>(acc, scores, len, t0, v, n, head_dim);
-    case 5: return accumulate_v_tile<5>(acc, scores, len, t0, v, n, head_dim);
-    case 6: return accumulate_v_tile<6>(acc, scores, len, t0, v, n, head_dim);
-    case 7: return accumulate_v_tile<7>(acc, scores, len, t0, v, n, head_dim);
-    default: return accumulate_v_tile<8>(acc, scores, len, t0, v, n, head_dim);
+    case 1: return accumulate_v_tile<1>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
+    case 2: return accumulate_v_tile<2>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
+    case 3: return accumulate_v_tile<3>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
+    case 4: return accumulate_v_tile<4>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
+    case 5: return accumulate_v_tile<5>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
+    case 6: return accumulate_v_tile<6>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
+    case 7: return accumulate_v_tile<7>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
+    default: return accumulate_v_tile<8>(acc, scores, len, t0, v, n, head_dim, next, next_row_bytes);
   }
 }
 
@@ -302,12 +309,15 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
     for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_f(src[d]) * scale;
   }
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + 1 < num_blocks) prefetch_run(block_at(k_cache, b + 1), run);
+    const T* next = b + 1 < num_blocks ? block_at(k_cache, b + 1) : nullptr;
+    const bool rows_of_8 = kHaveDots8 && head_dim % kLanes == 0;
+    if (next && !rows_of_8) prefetch_run(next, run);
     const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
     const float* k = row_as_float(block_at(k_cache, b), rows, n * head_dim);
     int64_t i = 0;
-    if (kHaveDots8 && head_dim % kLanes == 0)
+    if (rows_of_8)
       for (; i + 8 <= n; i += 8) {
+        if (next) prefetch_run(next + i * head_dim, 8 * head_dim);  // the same rows of the next block
         int64_t g = 0;
         for (; g + 3 <= group; g += 3)
           for (int64_t r = i; r < i + 8; r += 4)
@@ -326,12 +336,13 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
   float* acc = q;
   std::fill(acc, acc + group * head_dim, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + 1 < num_blocks) prefetch_run(block_at(v_cache, b + 1), run);
+    const char* next = b + 1 < num_blocks ? reinterpret_cast<const char*>(block_at(v_cache, b + 1)) : nullptr;
     const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
     const float* v = row_as_float(block_at(v_cache, b), rows, n * head_dim);
-    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupTile)
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupTile)  // the first tile prefetches the next block
       accumulate_v(acc + g0 * head_dim, scores + g0 * len, len, t0, v, n, head_dim,
-                   std::min(kMaxGroupTile, group - g0));
+                   std::min(kMaxGroupTile, group - g0), g0 == 0 ? next : nullptr,
+                   head_dim * static_cast<int64_t>(sizeof(T)));
   }
   for (int64_t g = 0; g < group; ++g) {
     T* dst = out + (kvh * group + g) * head_dim;
