@@ -16,6 +16,7 @@ import kernels
 from backend import cuda_graphs
 from backend.config import EngineConfig
 from backend.distributed import get_parallel_state, pp_recv, pp_send
+from backend.huge_pages import collapse_large_mappings
 from backend.models.attention import Attention, AttentionMetadata
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
@@ -89,6 +90,8 @@ class ModelRunner:
                 method.process_weights_after_loading(module)
         self.model = model.eval().requires_grad_(False)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if self.device.type == "cpu":
+            collapse_large_mappings()  # the weights a decode step streams, onto 2 MB pages
 
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
