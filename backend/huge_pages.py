@@ -4,9 +4,9 @@ A batch-1 decode step streams every weight once. On 4 KB pages each page is a TL
 hardware prefetchers stop at each page's end; on 2 MB pages the 2-core CPU's batch-1 step took
 19.5-20.0 ms instead of 22.1-22.4 (w8a8) and 51-53 ms instead of 59-64 (fp32). oneDNN's packed
 weights are opaque tensors (no data pointer), so instead of placing tensors this collapses the
-process's large anonymous mappings, where the weights live, with ``MADV_COLLAPSE`` (Linux 6.1+)
-after marking them ``MADV_HUGEPAGE`` (so later faults in them get 2 MB pages too). Elsewhere
-(THP ``never``, older kernels, not Linux) it does nothing.
+process's large anonymous mappings, where the weights live, with ``MADV_COLLAPSE`` (Linux 6.1+):
+what is populated now moves, later faults keep 4 KB pages (so memory that grows under traffic
+grows as before). Elsewhere (THP ``never``, older kernels, not Linux) it does nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import ctypes
 import ctypes.util
 import sys
 
-MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -63,7 +62,6 @@ def collapse_large_mappings(min_bytes: int = 4 << 20) -> int:
         last = end // HUGE_PAGE * HUGE_PAGE
         if last <= first:
             continue
-        libc.madvise(first, last - first, MADV_HUGEPAGE)
         if libc.madvise(first, last - first, MADV_COLLAPSE) == 0:
             collapsed += last - first
     return collapsed
