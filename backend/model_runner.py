@@ -63,7 +63,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        # CUDA graphs of decode steps (None: every step eager; always so with enforce_eager).
+        # Graphs of decode steps (cuda_graphs.py; None: every step eager; always so with enforce_eager).
         # Not captured over several workers: collectives inside a graph are not set up (yet).
         self.graph_cls = (None if config.enforce_eager or self.parallel.world_size > 1
                           else cuda_graphs.graph_class(device))
@@ -117,7 +117,7 @@ class ModelRunner:
         self._bind_kv_cache(num_blocks + (self.graph_cls is not None))
         if self.graph_cls is not None:
             self.graphs = cuda_graphs.DecodeGraphs(
-                self.model, cuda_graphs.capture_sizes(self.config.max_num_seqs),
+                self.model, cuda_graphs.capture_sizes(self.config.max_num_seqs, self.device),
                 max_blocks_per_seq=-(-self.config.max_model_len // self.block_size),
                 max_model_len=self.config.max_model_len, pad_block=num_blocks, block_size=self.block_size,
                 device=self.device, graph_cls=self.graph_cls)

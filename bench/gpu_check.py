@@ -382,7 +382,9 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads; a busy machine's barriers cost
 
+        cuda_sizes = cuda_graphs.capture_sizes
         cuda_graphs.graph_class = lambda device: cuda_graphs.FakeGraph
+        cuda_graphs.capture_sizes = lambda max_num_seqs, device: cuda_sizes(max_num_seqs, torch.device("cuda"))
     import transformers
     import triton
 

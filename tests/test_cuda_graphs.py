@@ -16,14 +16,27 @@ from backend.models.attention import AttentionMetadata
 from test_correctness import GREEDY, hf_greedy, make_engine, random_prompts, run_engine
 
 
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
-    assert capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
-    assert capture_sizes(100)[-3:] == [88, 96, 100]
-    assert capture_sizes(3) == [1, 2, 3] and capture_sizes(1) == [1]
-    assert capture_sizes(4096)[-1] == cuda_graphs.MAX_CAPTURE_SIZE
-    sizes = capture_sizes(100)
+    assert capture_sizes(256, CUDA) == [1, 2, 4] + list(range(8, 257, 8))
+    assert capture_sizes(100, CUDA)[-3:] == [88, 96, 100]
+    assert capture_sizes(3, CUDA) == [1, 2, 3] and capture_sizes(1, CUDA) == [1]
+    assert capture_sizes(4096, CUDA)[-1] == cuda_graphs.MAX_CAPTURE_SIZE
+    sizes = capture_sizes(100, CUDA)
     assert [padded_size(n, sizes) for n in (1, 3, 5, 8, 9, 97, 100)] == [1, 4, 8, 8, 16, 100, 100]
     assert padded_size(101, sizes) is None
+
+
+def test_cpu_captures_exact_small_sizes_only():
+    """A CPU computes padding rows for real: each size up to CPU_MAX_CAPTURE_SIZE, no padding."""
+    top = cuda_graphs.CPU_MAX_CAPTURE_SIZE
+    assert capture_sizes(256, CPU) == list(range(1, top + 1))
+    assert capture_sizes(3, CPU) == [1, 2, 3]
+    sizes = capture_sizes(256, CPU)
+    assert [padded_size(n, sizes) for n in range(1, top + 1)] == list(range(1, top + 1))
+    assert padded_size(top + 1, sizes) is None
 
 
 class RecordingModel(torch.nn.Module):
@@ -90,7 +103,10 @@ def test_fits_only_decode_batches_within_the_captured_shapes():
 
 @pytest.fixture
 def fake_graphs(monkeypatch):
+    """The CUDA runner's graph logic on the CPU: FakeGraph replays at CUDA's (padded) sizes."""
+    cuda_sizes = cuda_graphs.capture_sizes
     monkeypatch.setattr(cuda_graphs, "graph_class", lambda device: FakeGraph)
+    monkeypatch.setattr(cuda_graphs, "capture_sizes", lambda max_num_seqs, device: cuda_sizes(max_num_seqs, CUDA))
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
