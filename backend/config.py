@@ -52,7 +52,7 @@ FIELD_HELP = {
     "enable_chunked_prefill": "split long prompts over several steps",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse the KV blocks of shared prefixes",
-    "enforce_eager": "no compilation and no CUDA graphs",
+    "enforce_eager": "no decode graphs (CUDA graphs; traced graphs on the CPU)",
     "kv_cache_memory_gb": "KV-cache size on CPU, GiB",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache",
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the two above)",
@@ -169,7 +169,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # no CUDA graphs: every step eager
+    enforce_eager: bool = False  # no decode graphs: every step eager
     # KV-cache budget: GiB on CPU, fraction of device memory on GPU, or an exact block count.
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
