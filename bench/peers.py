@@ -9,6 +9,7 @@ Prints both tables and Tandem's ratio of output throughput and of median TTFT.
 
     python bench/peers.py --concurrency 1,8,32,64
     python bench/peers.py --concurrency 1 -- --quantization int8
+    python bench/peers.py --concurrency 1 --waves 4 --repeats 3 -- --quantization w8a8
 
 On a machine shared with other work, run it under ``chrt -f 10`` so both servers get the cores.
 """
@@ -21,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,22 +102,47 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="per request")
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--skip", default="", help="comma list: llama.cpp,tandem")
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole comparison this many times, alternating the servers, and print each "
+                             "repeat's ratio and their median")
+    parser.add_argument("--json", help="also write the results to this file (a list of them with --repeats)")
     parser.add_argument("tandem_args", nargs="*", help="after --: engine arguments for tandem serve")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     skip = set(filter(None, args.skip.split(",")))
 
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     from backend.config import EngineConfig
     from backend.models.default_model import download_default_gguf
 
     config = EngineConfig().resolve()
     tokenizer = serving.load_tokenizer(str(config.tokenizer_path))
     work = Path(tempfile.mkdtemp(prefix="tandem-peers-"))
-    results = {}
+    gguf = None if "llama.cpp" in skip else download_default_gguf(work / "gguf")
+    runs = []
+    for repeat in range(args.repeats):
+        if args.repeats > 1:
+            print(f"\n=== repeat {repeat + 1} of {args.repeats}")
+        runs.append(compare_once(args, levels, skip, tokenizer, gguf, work / f"run-{repeat}"))
+    if args.repeats > 1 and all(len(run) == 2 for run in runs):
+        print(f"\nTandem / llama.cpp output tok/s over {args.repeats} repeats")
+        for i, level in enumerate(levels):
+            ratios = [run["tandem"][i]["output_throughput"] / run["llama.cpp"][i]["output_throughput"]
+                      for run in runs]
+            print(f"{level:>5}  {' '.join(f'{r:.2f}' for r in ratios)}  median {statistics.median(ratios):.2f}")
+    print(f"\nlogs: {work}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs[0] if args.repeats == 1 else runs, f, indent=2)
 
+
+def compare_once(args, levels: list[int], skip: set[str], tokenizer, gguf: Path | None, work: Path) -> dict:
+    """llama.cpp's server (on ``gguf``) then ``tandem serve`` under the same load; prints both tables
+    and the ratios, returns {"llama.cpp": [...], "tandem": [...]} (per level, serving.py's results)."""
+    work.mkdir(parents=True, exist_ok=True)
+    results = {}
     if "llama.cpp" not in skip:
-        gguf = download_default_gguf(work / "gguf")
         per_level = []
         for concurrency in levels:  # n_parallel follows the level: restart per level
             port = free_port()
@@ -125,7 +152,7 @@ def main() -> None:
             per_level += run_server(argv, f"http://127.0.0.1:{port}", [concurrency], args, tokenizer,
                                     work / f"llama-{concurrency}.log")
         results["llama.cpp"] = per_level
-        serving.print_table(f"llama.cpp server (xllamacpp, Q4_1 GGUF, n_parallel = concurrency)", per_level)
+        serving.print_table("llama.cpp server (xllamacpp, Q4_1 GGUF, n_parallel = concurrency)", per_level)
 
     if "tandem" not in skip:
         port = free_port()
@@ -142,10 +169,7 @@ def main() -> None:
             ratio = ours["output_throughput"] / theirs["output_throughput"]
             print(f"{ours['concurrency']:>5} {ratio:>19.2f} "
                   f"{theirs['ttft_s']['p50'] * 1e3:>14.0f} / {ours['ttft_s']['p50'] * 1e3:.0f} ms")
-    print(f"\nlogs: {work}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    return results
 
 
 if __name__ == "__main__":
