@@ -128,8 +128,7 @@ def main() -> None:
     if args.repeats > 1 and all(len(run) == 2 for run in runs):
         print(f"\nTandem / llama.cpp output tok/s over {args.repeats} repeats")
         for i, level in enumerate(levels):
-            ratios = [run["tandem"][i]["output_throughput"] / run["llama.cpp"][i]["output_throughput"]
-                      for run in runs]
+            ratios = [throughput_ratios(run)[i] for run in runs]
             print(f"{level:>5}  {' '.join(f'{r:.2f}' for r in ratios)}  median {statistics.median(ratios):.2f}")
     print(f"\nlogs: {work}")
     if args.json:
@@ -165,11 +164,16 @@ def compare_once(args, levels: list[int], skip: set[str], tokenizer, gguf: Path 
     if len(results) == 2:
         print(f"\nTandem / llama.cpp, {args.prompt_len}-token prompts -> {args.output_len} tokens")
         print(f"{'conc':>5} {'output tok/s ratio':>19} {'TTFT p50 llama.cpp / Tandem':>28}")
-        for ours, theirs in zip(results["tandem"], results["llama.cpp"]):
-            ratio = ours["output_throughput"] / theirs["output_throughput"]
+        for ours, theirs, ratio in zip(results["tandem"], results["llama.cpp"], throughput_ratios(results)):
             print(f"{ours['concurrency']:>5} {ratio:>19.2f} "
                   f"{theirs['ttft_s']['p50'] * 1e3:>14.0f} / {ours['ttft_s']['p50'] * 1e3:.0f} ms")
     return results
+
+
+def throughput_ratios(results: dict) -> list[float]:
+    """Tandem's output tok/s over llama.cpp's, per level, from one ``compare_once``."""
+    return [ours["output_throughput"] / theirs["output_throughput"]
+            for ours, theirs in zip(results["tandem"], results["llama.cpp"])]
 
 
 if __name__ == "__main__":
