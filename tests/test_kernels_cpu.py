@@ -45,11 +45,12 @@ def _batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
-def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads):
+@pytest.mark.parametrize("head_dim", [8, 16, 64])  # each path: 8 lanes, 16 lanes, 32-wide bf16 pairs
+def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
     # decode, decode across a block boundary, a prefill from nothing, a chunk after a prefix hit
     query_lens = [1, 1, 7, 5, 1]
     seq_lens = [9, 17, 7, 21, 33]
-    head_dim, block_size = 16, 8
+    block_size = 8
     query, k_cache, v_cache, block_tables = _batch(query_lens, seq_lens, num_heads, num_kv_heads,
                                                    head_dim, block_size, dtype)
     # The reference reads this step's K/V of a fresh prefill from key/value: give it the cache's.

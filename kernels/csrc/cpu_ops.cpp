@@ -16,6 +16,10 @@
 // so in fp32 rotary and norms give the reference's bits. Attention and SiLU use a
 // polynomial exp (~1 ulp) that vectorizes; neither is bit-equal to torch's, and attention's
 // dot products use fused multiply-adds (vfma) where the CPU has them.
+//
+// Where the compiler targets AVX-512 (-march=native on such a CPU), attention takes a 16-lane path
+// (BF16 dot products where present); elsewhere the 8-lane one. Both agree with the reference;
+// their float sums run in different orders.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -350,6 +354,243 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
   }
 }
 
+#if defined(__AVX512F__)
+// ---- attention with AVX-512 ----------------------------------------------------------
+// The same work item as attend_one (one query token, one KV head), 16 lanes wide, reading the
+// cache's rows where they are (no float copy of a block). QK: 4 key rows at a time against up to
+// 4 query heads (each key vector loaded once for the heads that share it), one transposing
+// reduction per 4 rows; bf16 caches multiply bf16 pairs directly (vdpbf16ps), others convert 16
+// values at a time and use fused multiply-adds. V: the accumulators of up to 4 heads x CH 16-wide
+// column chunks stay in registers over all of the item's blocks. While it reads block b of K it
+// prefetches block b of V (needed next) and block b of the next item's K: without the prefetches
+// the loads wait on memory (batch-32 attention of the default model 14 ms instead of 6).
+
+constexpr int64_t kLanes16 = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// [sum of a[0]'s lanes, ..., sum of a[3]'s lanes].
+inline __m128 lane_sums4(const __m512* a) {
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23));
+  const __m512 y = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // per 128-bit lane: a0..a3
+  const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+}
+
+// scores[j * len + r] = scale * (sum of a[j][r]'s lanes), for R = 4 rows or fewer.
+template <int NG, int R>
+__attribute__((always_inline)) inline void store_scores(float* scores, int64_t len, __m512 (&a)[NG][R], float scale) {
+  for (int j = 0; j < NG; ++j) {
+    if constexpr (R == 4) {
+      _mm_storeu_ps(scores + j * len, _mm_mul_ps(lane_sums4(a[j]), _mm_set1_ps(scale)));
+    } else {
+      for (int r = 0; r < R; ++r) scores[j * len + r] = _mm512_reduce_add_ps(a[j][r]) * scale;
+    }
+  }
+}
+
+// QK tiles: scores[j * len + r] = scale * q[g + j] . k[r] for NG query heads and R key rows k [R, d].
+// FmaQk: the heads as floats (q [group, d]), key rows converted 16 at a time, fused multiply-adds.
+template <typename T>
+struct FmaQk {
+  const float* q;
+  int64_t d;
+  float scale;
+  template <int NG, int R>
+  __attribute__((always_inline)) void tile(float* scores, int64_t len, int64_t g, const T* k) const {
+    __m512 a[NG][R];
+    for (int j = 0; j < NG; ++j)
+      for (int r = 0; r < R; ++r) a[j][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += kLanes16) {
+      __m512 kv[R];
+      for (int r = 0; r < R; ++r) kv[r] = load16(k + r * d + c);
+      for (int j = 0; j < NG; ++j) {
+        const __m512 qv = _mm512_loadu_ps(q + (g + j) * d + c);
+        for (int r = 0; r < R; ++r) a[j][r] = _mm512_fmadd_ps(qv, kv[r], a[j][r]);
+      }
+    }
+    store_scores<NG, R>(scores, len, a, scale);
+  }
+};
+
+#if defined(__AVX512BF16__)
+// Bf16Qk: bf16 heads and keys as they are (d a multiple of 32), 32 pairs per vdpbf16ps: the
+// products are exact in fp32 and summed in fp32, so no conversion instructions at all.
+struct Bf16Qk {
+  const c10::BFloat16* q;
+  int64_t d;
+  float scale;
+  template <int NG, int R>
+  __attribute__((always_inline)) void tile(float* scores, int64_t len, int64_t g, const c10::BFloat16* k) const {
+    __m512 a[NG][R];
+    for (int j = 0; j < NG; ++j)
+      for (int r = 0; r < R; ++r) a[j][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32) {
+      __m512bh kv[R];
+      for (int r = 0; r < R; ++r) kv[r] = (__m512bh)_mm512_loadu_si512(k + r * d + c);
+      for (int j = 0; j < NG; ++j) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + (g + j) * d + c);
+        for (int r = 0; r < R; ++r) a[j][r] = _mm512_dpbf16_ps(a[j][r], qv, kv[r]);
+      }
+    }
+    store_scores<NG, R>(scores, len, a, scale);
+  }
+};
+#endif
+
+// scores rows [0, n) of every head (scores [group, len], this block's columns) from the block's key
+// rows k [n, d]: 4 rows at a time, heads 4 at a time. Prefetches the same rows of pf_a and pf_b.
+template <typename Qk, typename T>
+inline void qk_rows16(const Qk& qk, float* scores, int64_t len, const T* k, int64_t n, int64_t group, int64_t d,
+                      const char* pf_a, const char* pf_b, int64_t pf_row_bytes) {
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t rows = std::min<int64_t>(4, n - i);
+    if (pf_a) prefetch_run(pf_a + i * pf_row_bytes, rows * pf_row_bytes);
+    if (pf_b) prefetch_run(pf_b + i * pf_row_bytes, rows * pf_row_bytes);
+    for (int64_t g = 0; g < group; g += 4) {
+      float* s = scores + g * len + i;
+      const T* kr = k + i * d;
+      const int64_t ng = std::min<int64_t>(4, group - g);
+      if (rows == 4) {
+        switch (ng) {
+          case 1: qk.template tile<1, 4>(s, len, g, kr); break;
+          case 2: qk.template tile<2, 4>(s, len, g, kr); break;
+          case 3: qk.template tile<3, 4>(s, len, g, kr); break;
+          default: qk.template tile<4, 4>(s, len, g, kr); break;
+        }
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < ng; ++j) qk.template tile<1, 1>(s + j * len + r, len, g + j, kr + r * d);
+      }
+    }
+  }
+}
+
+// acc[j][c0 .. c0 + 16 CH) += sum over keys t < len of p[j * len + t] * v[t] for NG heads, V read
+// block by block through the table.
+template <int NG, int CH, typename T>
+__attribute__((always_inline)) inline void pv_tile16(float* acc, const float* p, int64_t len, const T* v_cache, const int32_t* table,
+                      int64_t block_stride, int64_t head_off, int64_t block_size, int64_t d, int64_t c0) {
+  __m512 a[NG][CH];
+  for (int j = 0; j < NG; ++j)
+    for (int h = 0; h < CH; ++h) a[j][h] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const T* v = v_cache + table[t0 / block_size] * block_stride + head_off + c0;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 vv[CH];
+      for (int h = 0; h < CH; ++h) vv[h] = load16(v + i * d + h * kLanes16);
+      for (int j = 0; j < NG; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j * len + t0 + i]);
+        for (int h = 0; h < CH; ++h) a[j][h] = _mm512_fmadd_ps(pj, vv[h], a[j][h]);
+      }
+    }
+  }
+  for (int j = 0; j < NG; ++j)
+    for (int h = 0; h < CH; ++h) _mm512_storeu_ps(acc + j * d + c0 + h * kLanes16, a[j][h]);
+}
+
+template <int CH, typename T>
+inline void pv_heads16(float* acc, const float* p, int64_t len, const T* v_cache, const int32_t* table,
+                       int64_t block_stride, int64_t head_off, int64_t block_size, int64_t d, int64_t c0,
+                       int64_t ng) {
+  switch (ng) {
+    case 1: return pv_tile16<1, CH>(acc, p, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    case 2: return pv_tile16<2, CH>(acc, p, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    case 3: return pv_tile16<3, CH>(acc, p, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    default: return pv_tile16<4, CH>(acc, p, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+  }
+}
+
+inline float max_of(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + kLanes16 <= n; i += kLanes16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  float best = _mm512_reduce_max_ps(m);
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
+}
+
+// attend_one's contract, for head_dim a multiple of 16. next_table / next_blocks / next_kvh: the
+// work item after this one (null / 0: none), whose K blocks are prefetched while this one runs.
+template <typename T>
+void attend_one_avx512(T* out, const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+                       int64_t len, int64_t kvh, int64_t group, int64_t d, int64_t block_size,
+                       int64_t num_kv_heads, float scale, const int32_t* next_table, int64_t next_blocks,
+                       int64_t next_kvh, std::vector<float>& scratch) {
+  const int64_t run = block_size * d;  // one (block, KV head)
+  const int64_t block_stride = num_kv_heads * run;
+  auto k_run = [&](const int32_t* tab, int64_t b, int64_t head) { return k_cache + tab[b] * block_stride + head * run; };
+  scratch.resize(group * len + 2 * group * d + group);
+  float* scores = scratch.data();   // [group, len]: scores, then exp(score - max)
+  float* q = scores + group * len;  // [group, d]: the heads as floats (FmaQk)
+  float* acc = q + group * d;       // [group, d]: sum over keys of exp(score - max) * v
+  float* sums = acc + group * d;    // [group]: sum over keys of exp(score - max)
+  const T* heads = query + kvh * group * d;  // [group, d]
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  auto qk_blocks = [&](const auto& qk) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+      const T* v_now = v_cache + table[b] * block_stride + kvh * run;
+      const T* k_next = b < next_blocks ? k_run(next_table, b, next_kvh) : nullptr;
+      qk_rows16(qk, scores + t0, len, k_run(table, b, kvh), n, group, d, reinterpret_cast<const char*>(v_now),
+                reinterpret_cast<const char*>(k_next), row_bytes);
+    }
+  };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d % 32 == 0) qk_blocks(Bf16Qk{heads, d, scale});
+  }
+  const bool done = std::is_same_v<T, c10::BFloat16> && d % 32 == 0;
+#else
+  const bool done = false;
+#endif
+  if (!done) {
+    for (int64_t i = 0; i < group * d; ++i) q[i] = to_f(heads[i]);
+    qk_blocks(FmaQk<T>{q, d, scale});
+  }
+  for (int64_t b = num_blocks; b < next_blocks; ++b) prefetch_run(k_run(next_table, b, next_kvh), run);
+  for (int64_t g = 0; g < group; ++g) {  // softmax, normalized at the end
+    float* s = scores + g * len;
+    sums[g] = exp_shifted_inplace(s, len, max_of(s, len));
+  }
+  const int64_t chunks = d / kLanes16;
+  for (int64_t g = 0; g < group; g += 4) {
+    const int64_t ng = std::min<int64_t>(4, group - g);
+    int64_t c = 0;
+    for (; c + 4 <= chunks; c += 4)
+      pv_heads16<4>(acc + g * d, scores + g * len, len, v_cache, table, block_stride, kvh * run, block_size, d,
+                    c * kLanes16, ng);
+    for (; c < chunks; ++c)
+      pv_heads16<1>(acc + g * d, scores + g * len, len, v_cache, table, block_stride, kvh * run, block_size, d,
+                    c * kLanes16, ng);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv_sum = 1.0f / sums[g];
+    T* dst = out + (kvh * group + g) * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(acc[g * d + c] * inv_sum);
+  }
+}
+constexpr bool kHaveAttendAvx512 = true;
+#else
+template <typename T>
+void attend_one_avx512(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                  int64_t, float, const int32_t*, int64_t, int64_t, std::vector<float>&) {}
+constexpr bool kHaveAttendAvx512 = false;
+#endif
+
 // out, query: [num_tokens, num_heads, head_dim] (rows may be strided, heads contiguous);
 // k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous;
 // block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (tokens in the cache
@@ -395,21 +636,37 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
     for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b)
       TORCH_CHECK(tables[r * max_blocks + b] >= 0 && tables[r * max_blocks + b] < num_blocks,
                   "block table of request ", r, " holds an invalid block ID");
+  const bool wide = kHaveAttendAvx512 && head_dim % 16 == 0;  // the AVX-512 kernel
   TANDEM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
+    auto keys_seen = [&](int64_t tok) {  // keys query row tok attends to
+      const int64_t r = req_of[tok];
+      return lens[r] - (qsl[r + 1] - qsl[r]) + (tok - qsl[r]) + 1;
+    };
     at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t tok = item / num_kv_heads, kvh = item % num_kv_heads;
-        const int64_t r = req_of[tok];
-        const int64_t q_len = qsl[r + 1] - qsl[r];
-        const int64_t len = lens[r] - q_len + (tok - qsl[r]) + 1;  // keys this row sees
-        attend_one(o + tok * o_stride, q + tok * q_stride, kc, vc, tables + r * max_blocks, len,
-                   kvh, group, head_dim, block_size, num_kv_heads, static_cast<float>(scale), scratch);
+        const int32_t* table = tables + req_of[tok] * max_blocks;
+        const int64_t len = keys_seen(tok);
+        if (wide) {
+          const int32_t* next_table = nullptr;  // the next item's K blocks, prefetched meanwhile
+          int64_t next_blocks = 0;
+          if (item + 1 < end) {
+            next_table = tables + req_of[(item + 1) / num_kv_heads] * max_blocks;
+            next_blocks = (keys_seen((item + 1) / num_kv_heads) + block_size - 1) / block_size;
+          }
+          attend_one_avx512(o + tok * o_stride, q + tok * q_stride, kc, vc, table, len, kvh, group, head_dim,
+                       block_size, num_kv_heads, static_cast<float>(scale), next_table, next_blocks,
+                       (item + 1) % num_kv_heads, scratch);
+        } else {
+          attend_one(o + tok * o_stride, q + tok * q_stride, kc, vc, table, len, kvh, group, head_dim,
+                     block_size, num_kv_heads, static_cast<float>(scale), scratch);
+        }
       }
     });
   });
