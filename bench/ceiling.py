@@ -9,7 +9,8 @@ matmul engine torch offers on this device:
     onednn        oneDNN with the weight prepacked once (what Tandem uses on CPU)
     int8          weight-only int8, float activations: Tandem's --quantization int8 kernel
     fbgemm-int8   int8 weights and activations quantized per step (fbgemm; for comparison)
-    F.linear bf16 only where the CPU computes bf16 natively
+    F.linear bf16, onednn bf16   only where the CPU computes bf16 natively (the engine's default
+                  dtype there: onednn bf16 is what it runs)
 
 The best unquantized engine's time is the decode step's ceiling at full
 precision, ``batch / time`` tokens/s (the int8 engine's is given apart: it
@@ -78,7 +79,7 @@ def model_shapes(hf_config) -> tuple[list[tuple[int, int]], int]:
 
 
 def engines(dtype_bf16: bool):
-    """name -> (prepare(weight [out, in]) -> state, run(x, state))."""
+    """name -> (prepare(weight [out, in]) -> state, run(x, state)); x is bf16 for the "bf16" engines."""
     out = {
         "F.linear fp32": (lambda w: w, lambda x, w: F.linear(x, w)),
         "onednn fp32": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32),
@@ -100,7 +101,9 @@ def engines(dtype_bf16: bool):
 
         out["fbgemm-int8"] = (pack_int8, lambda x, p: torch.ops.quantized.linear_dynamic(x, p, True))
     if dtype_bf16:
-        out["F.linear bf16"] = (lambda w: w.bfloat16(), lambda x, w: F.linear(x.bfloat16(), w))
+        out["F.linear bf16"] = (lambda w: w.bfloat16(), lambda x, w: F.linear(x, w))
+        out["onednn bf16"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32),
+                              lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     return out
 
 
@@ -168,7 +171,8 @@ def main() -> None:
         row = {}
         for name, (prepare, run) in engines(cpu_has_native_bf16()).items():
             states = [prepare(w) for w in weights]
-            inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+            dtype = torch.bfloat16 if "bf16" in name else torch.float32  # activations as the engine has them
+            inputs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(dtype) for w in weights}
 
             def step():
                 for w, state in zip(weights, states):
