@@ -160,7 +160,8 @@ def test_int8_linear_equals_its_dequantized_reference(m, k, n):
                                cpu.int8_linear(x, weight, scale, None)[0], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 64, 12), (6, 96, 9), (9, 70, 5)])  # a partial block; 4-row tiles
+# a partial block; 4-row tiles; more rows than one pass of the VNNI kernel takes (128)
+@pytest.mark.parametrize("m, k, n", [(1, 64, 12), (6, 96, 9), (9, 70, 5), (130, 128, 6)])
 def test_w8a8_linear_equals_its_reference(m, k, n):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(m, k, generator=gen) * 4

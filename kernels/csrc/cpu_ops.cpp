@@ -17,9 +17,9 @@
 // polynomial exp (~1 ulp) that vectorizes; neither is bit-equal to torch's, and attention's
 // dot products use fused multiply-adds (vfma) where the CPU has them.
 //
-// Where the compiler targets AVX-512 (-march=native on such a CPU), attention takes a 16-lane path
-// (BF16 dot products where present); elsewhere the 8-lane one. Both agree with the reference;
-// their float sums run in different orders.
+// Where the compiler targets AVX-512 (-march=native on such a CPU), attention and the w8a8 linear
+// take 16-lane paths (VNNI and BF16 dot products where present); elsewhere the 8-lane ones. Both
+// agree with the reference; their float sums run in different orders.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -1088,11 +1088,149 @@ inline void w8a8_columns(float* out, int64_t n_size, const int8_t* xq, const flo
   for (; m0 < m_size; ++m0) w8a8_tile<NT, 1>(out, n_size, xq, xs, kb, w, scale, bias, k_size, n0, m0);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// ---- w8a8 with AVX-512 VNNI ------------------------------------------------------------
+// vpdpbusd multiplies unsigned by signed bytes and adds each group of 4 products into an int32
+// lane. The weights are made unsigned as they are loaded by flipping their sign bit (w + 128); the
+// 128 * x each product then gains depends on the activations only, so each lane's sum starts at
+// -128 * (its 4 activation bytes' sum) (one more vpdpbusd per row and chunk): the sums stay exact.
+// A 64-byte chunk holds two 32-wide blocks, lanes 0-7 the first and 8-15 the second; each lane is
+// converted to float, times its block's activation scale, and accumulated in float over the
+// chunks. The order depends on K only, never on M (batch-invariant), but is not the AVX2 kernel's:
+// the two builds agree with the reference, not bit for bit with each other.
+
+constexpr int64_t kChunk = 64;
+
+// Activations quantized for the VNNI tiles: per row, the bytes in 64-byte chunks (the last one
+// zero-padded) and the blocks' scales (2 per chunk). Small enough that a batch's rows stay in L1
+// while the weight tiles stream past them.
+struct VnniActivations {
+  int64_t chunks = 0;        // ceil(K / 64)
+  std::vector<int8_t> q;     // [M, chunks * 64]
+  std::vector<float> scale;  // [M, chunks * 2]
+};
+
+// One row by quantize_row's rule (the same division and round-half-even, so the same bytes).
+inline void vnni_quantize_row(const float* x, int64_t k_size, int64_t chunks, int8_t* q, float* scale) {
+  std::fill(q, q + chunks * kChunk, 0);
+  for (int64_t b = 0; b < 2 * chunks; ++b) {
+    const int64_t k0 = b * kQBlock;
+    const int64_t n = std::max<int64_t>(0, std::min(kQBlock, k_size - k0));
+    const __mmask16 lo = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    const __mmask16 hi = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
+    const __m512 x0 = _mm512_maskz_loadu_ps(lo, x + k0), x1 = _mm512_maskz_loadu_ps(hi, x + k0 + 16);
+    const float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.0f;
+    scale[b] = s;
+    if (s > 0.0f) {
+      const __m512 sv = _mm512_set1_ps(s);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(x0, sv))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(x1, sv))));
+    }
+  }
+}
+
+// out[m, n0 + j] for MT rows from m0 and NT weight rows from n0. kMasked: K is not a multiple of
+// 64, so every weight load is masked to the row (GCC then keeps the accumulators in memory as
+// well as in registers: a store per multiply-add, so the common shapes take the unmasked loop).
+template <int MT, int NT, bool kMasked>
+inline void vnni_tile(float* out, int64_t n_size, const VnniActivations& x, int64_t m0, const int8_t* w,
+                      int64_t k_size, const float* w_scale, const float* bias, int64_t n0) {
+  if (m0 == 0)
+    for (int64_t j = 0; j < NT && n0 + j + kPrefetchRows < n_size; ++j)
+      prefetch_run(w + (n0 + j + kPrefetchRows) * k_size, k_size);
+  const int64_t chunks = x.chunks;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // also 128 as an unsigned byte
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i wv[NT];
+    for (int j = 0; j < NT; ++j) {
+      const int8_t* wp = w + (n0 + j) * k_size + c * kChunk;
+      if constexpr (kMasked) {  // bytes past K load as 0 and flip to 128, times x = 0
+        const int64_t left = k_size - c * kChunk;
+        const __mmask64 mask = left >= kChunk ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+        wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wp), flip);
+      } else {
+        wv[j] = _mm512_xor_si512(_mm512_loadu_si512(wp), flip);
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const int64_t row = (m0 + i) * chunks + c;
+      const __m512i xv = _mm512_loadu_si512(x.q.data() + row * kChunk);
+      const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, xv));
+      const __m512 sv = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_castpd128_pd512(
+                                                          _mm_load_sd(reinterpret_cast<const double*>(x.scale.data() + row * 2)))));
+      for (int j = 0; j < NT; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wv[j], xv)), sv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j)
+      out[(m0 + i) * n_size + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) * w_scale[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+}
+
+// Weight rows [n0, n0 + NT) against rows [m_begin, m_end) of x, 4 rows at a time.
+template <int NT>
+inline void vnni_columns(float* out, int64_t n_size, const VnniActivations& x, int64_t m_begin, int64_t m_end,
+                         const int8_t* w, int64_t k_size, const float* w_scale, const float* bias, int64_t n0) {
+  const bool masked = k_size % kChunk != 0;
+  int64_t m = m_begin;
+  for (; m + 4 <= m_end; m += 4)
+    (masked ? vnni_tile<4, NT, true> : vnni_tile<4, NT, false>)(out, n_size, x, m, w, k_size, w_scale, bias, n0);
+  for (; m < m_end; ++m)
+    (masked ? vnni_tile<1, NT, true> : vnni_tile<1, NT, false>)(out, n_size, x, m, w, k_size, w_scale, bias, n0);
+}
+
+// w8a8_linear's contract with the VNNI tiles: 4 weight rows a tile, the thread's weight rows
+// against 128 activation rows at a time (so the rows' quantized data stay in L2 for a prefill).
+void w8a8_linear_vnni(float* out, const float* x, int64_t x_stride, int64_t m_size, int64_t k_size,
+                      const int8_t* w, int64_t n_size, const float* w_scale, const float* bias) {
+  VnniActivations xa;
+  xa.chunks = (k_size + kChunk - 1) / kChunk;
+  xa.q.resize(m_size * xa.chunks * kChunk);
+  xa.scale.resize(m_size * xa.chunks * 2);
+  at::parallel_for(0, m_size, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      vnni_quantize_row(x + m * x_stride, k_size, xa.chunks, xa.q.data() + m * xa.chunks * kChunk,
+                        xa.scale.data() + m * xa.chunks * 2);
+  });
+  constexpr int64_t kNT = 4, kRowBlock = 128;
+  at::parallel_for(0, (n_size + kNT - 1) / kNT, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m_size; m0 += kRowBlock) {
+      const int64_t m1 = std::min(m_size, m0 + kRowBlock);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * kNT;
+        if (n0 + kNT <= n_size) {
+          vnni_columns<kNT>(out, n_size, xa, m0, m1, w, k_size, w_scale, bias, n0);
+        } else {
+          for (int64_t n = n0; n < n_size; ++n) vnni_columns<1>(out, n_size, xa, m0, m1, w, k_size, w_scale, bias, n);
+        }
+      }
+    }
+  });
+}
+constexpr bool kHaveVnni = true;
+#else
+void w8a8_linear_vnni(float*, const float*, int64_t, int64_t, int64_t, const int8_t*, int64_t, const float*,
+                      const float*) {}
+constexpr bool kHaveVnni = false;
+#endif
+
 // out [M, N] = dequant(quantize_blocks(x)) @ (weight [N, K] int8 * scale [N])^T + bias [N].
 Tensor w8a8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                    const c10::optional<Tensor>& bias) {
   const float* b = checked_int8_linear_bias("w8a8_linear", x, weight, scale, bias);
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = weight.size(0);
+  if (kHaveVnni) {
+    Tensor out = at::empty({m_size, n_size}, x.options());
+    w8a8_linear_vnni(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), m_size, k_size,
+                     weight.data_ptr<int8_t>(), n_size, scale.data_ptr<float>(), b);
+    return out;
+  }
   const int64_t kb = (k_size + kQBlock - 1) / kQBlock;
   std::vector<int8_t> xq(m_size * k_size);
   std::vector<float> xs(m_size * kb);
