@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+import kernels
 from backend.request import Logprob, PositionLogprobs, SamplingParams
 
 if TYPE_CHECKING:
@@ -76,9 +77,8 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
 
         if not (logprob_rows or min_tokens_rows or penalty_rows or random_rows):
-            # Hot path: the argmax is the same in any dtype, so skip the float32 copy; on CPU
-            # max(dim).indices (first maximum, like argmax) is ~2x faster than argmax.
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * num_rows)
+            # Hot path: the argmax is the same in any dtype, so skip the float32 copy.
+            return SamplerOutput(kernels.argmax_rows(logits).tolist(), [None] * num_rows)
 
         device = logits.device
         raw_logprobs = None

@@ -73,6 +73,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> [rows] int64: each row's first maximum (greedy sampling's token IDs)."""
+    if _cpu_fast(x) and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1:
+        return cpu.argmax_rows(x)
+    return reference.argmax_rows(x)
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if key.is_cuda:

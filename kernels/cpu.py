@@ -154,6 +154,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.tandem_cpu.silu_and_mul(x)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] float32/bf16 -> [rows] int64: the first maximum of each row (a NaN counts as it)."""
+    return torch.ops.tandem_cpu.argmax_rows(x)
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] float32 @ (weight [N, K] int8 * scale [N])^T + bias -> [M, N] float32."""

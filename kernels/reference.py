@@ -104,6 +104,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# ---- greedy sampling -----------------------------------------------------------------
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> [rows] int64: each row's first maximum (a NaN counts as the maximum).
+    ``max(dim).indices``: on CPU ~2x faster than ``argmax`` and the same indices."""
+    return x.max(dim=-1).indices
+
+
 # ---- KV cache ---------------------------------------------------------------------
 
 ACTIVATION_BLOCK = 32  # w8a8: activations share one int8 scale per row and 32-wide block along K

@@ -184,3 +184,16 @@ def test_w8a8_reference_quantizes_each_block_to_its_own_scale():
     assert torch.equal(q[0, :32], torch.full((32,), 127, dtype=torch.int8))
     torch.testing.assert_close(s[0], torch.tensor([0.5, 8.0, 8.0]) / 127)
     assert ((q.float() * s.repeat_interleave(32, dim=1)[:, :72] - x).abs() <= s.repeat_interleave(32, dim=1)[:, :72] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 1000 + 5, generator=gen).to(dtype)  # a tail past the 16-lane chunks
+    x[1, [3, 700]] = 50.0  # a tie: the first one wins
+    x[2, 1004] = 50.0  # the maximum in the tail
+    x[3] = -float("inf")
+    x[4, [9, 600]] = float("nan")  # a NaN counts as the maximum, as in torch.max
+    x[5, 17] = float("inf")
+    assert torch.equal(cpu.argmax_rows(x), reference.argmax_rows(x))
+    assert cpu.argmax_rows(x).tolist() == [int(x[0].float().argmax()), 3, 1004, 0, 9, 17]

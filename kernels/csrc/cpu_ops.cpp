@@ -72,27 +72,79 @@ inline float hsum(vf v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-// exp(x) to ~1 ulp for x in [-87, 88] (Cephes' single-precision polynomial), lane-wise.
-inline vf vexp(vf x) {
-  x = x < vsplat(88.0f) ? x : vsplat(88.0f);
-  x = x > vsplat(-87.0f) ? x : vsplat(-87.0f);
+// exp(x) to ~1 ulp for x in [-87, 88] (Cephes' single-precision polynomial), lane-wise, for any
+// width of float vector V (VI: its int32 twin).
+template <typename V, typename VI>
+inline V vexp_t(V x) {
+  x = x < 88.0f ? x : V{} + 88.0f;
+  x = x > -87.0f ? x : V{} - 87.0f;
   // n = round(x / ln 2) as floor(t + 0.5), computed by truncation of a positive shifted value
-  const vf t = x * vsplat(1.44269504088896341f) + vsplat(128.5f);
-  const vi n = __builtin_convertvector(t, vi) - 128;
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf r = (x - nf * vsplat(0.693359375f)) - nf * vsplat(-2.12194440e-4f);
-  vf p = vsplat(1.9875691500e-4f);
-  p = p * r + vsplat(1.3981999507e-3f);
-  p = p * r + vsplat(8.3334519073e-3f);
-  p = p * r + vsplat(4.1665795894e-2f);
-  p = p * r + vsplat(1.6666665459e-1f);
-  p = p * r + vsplat(5.0000001201e-1f);
-  p = p * r * r + r + vsplat(1.0f);
-  vi bits = (n + 127) << 23;
-  vf scale;
+  const V t = x * 1.44269504088896341f + 128.5f;
+  const VI n = __builtin_convertvector(t, VI) - 128;
+  const V nf = __builtin_convertvector(n, V);
+  const V r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  VI bits = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
+
+// 16 lanes, for the row-wise elementwise ops: one AVX-512 register where the target has it, two
+// 8-lane halves elsewhere; lane for lane the same arithmetic as vf.
+using vf16 = float __attribute__((vector_size(64)));
+using vi16 = int32_t __attribute__((vector_size(64)));
+using vu16 = uint32_t __attribute__((vector_size(64)));
+using vh16 = uint16_t __attribute__((vector_size(32)));
+constexpr int64_t kLanesWide = 16;
+
+inline vf16 vexp16(vf16 x) { return vexp_t<vf16, vi16>(x); }
+
+// 16 values of a float or bf16 row as floats (bf16 -> float is exact).
+inline vf16 load16f(const float* p) { vf16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf16 load16f(const c10::BFloat16* p) {
+  vh16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vu16 u = __builtin_convertvector(h, vu16) << 16;
+  vf16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// v rounded to T's precision, as floats: c10's float -> bf16 rounding (to nearest even, NaN kept).
+template <typename T>
+inline vf16 round16(vf16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>, "16-lane rows are float or bf16");
+    vu16 u;
+    std::memcpy(&u, &v, sizeof u);
+    u = ((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16) << 16;
+    u = v != v ? vu16{} + 0x7FC00000u : u;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+  }
+}
+
+// Stores 16 floats already rounded to T's precision (round16).
+inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(c10::BFloat16* p, vf16 v) {
+  vu16 u;
+  std::memcpy(&u, &v, sizeof u);
+  const vh16 h = __builtin_convertvector(u >> 16, vh16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+template <typename T>
+constexpr bool kWideRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
 // a * b + c: fused where the CPU has FMA (attention only; the elementwise ops round apart).
 inline vf vfma(vf a, vf b, vf c) {
@@ -376,10 +428,11 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// [sum of a[0]'s lanes, ..., sum of a[3]'s lanes].
-inline __m128 lane_sums4(const __m512* a) {
-  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+// [sum of a0's lanes, ..., sum of a3's lanes]. By value: an accumulator array whose address is
+// taken stays in memory, and GCC then stores it at every multiply-add of the loop that fills it.
+inline __m128 lane_sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
   const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23));
   const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23));
   const __m512 y = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // per 128-bit lane: a0..a3
@@ -393,7 +446,7 @@ template <int NG, int R>
 __attribute__((always_inline)) inline void store_scores(float* scores, int64_t len, __m512 (&a)[NG][R], float scale) {
   for (int j = 0; j < NG; ++j) {
     if constexpr (R == 4) {
-      _mm_storeu_ps(scores + j * len, _mm_mul_ps(lane_sums4(a[j]), _mm_set1_ps(scale)));
+      _mm_storeu_ps(scores + j * len, _mm_mul_ps(lane_sums4(a[j][0], a[j][1], a[j][2], a[j][3]), _mm_set1_ps(scale)));
     } else {
       for (int r = 0; r < R; ++r) scores[j * len + r] = _mm512_reduce_add_ps(a[j][r]) * scale;
     }
@@ -714,6 +767,23 @@ void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tens
 // HF's order: normalize in fp32, cast to the dtype, then scale by the weight (in the dtype).
 template <typename T>
 inline void rms_norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+  if constexpr (kWideRows<T>) {
+    vf16 acc{};
+    int64_t i = 0;
+    for (; i + kLanesWide <= n; i += kLanesWide) {
+      const vf16 v = load16f(x + i);
+      acc += v * v;
+    }
+    float ss = 0.0f;
+    for (int j = 0; j < kLanesWide; ++j) ss += acc[j];
+    for (; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    int64_t k = 0;
+    for (; k + kLanesWide <= n; k += kLanesWide)
+      store16(out + k, round16<T>(load16f(weight + k) * round16<T>(load16f(x + k) * inv)));
+    for (; k < n; ++k) out[k] = static_cast<T>(to_f(weight[k]) * to_f(static_cast<T>(to_f(x[k]) * inv)));
+    return;
+  }
   float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -750,6 +820,16 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return out;
 }
 
+// residual[0:n] += x[0:n], rounded to T.
+template <typename T>
+inline void add_row(T* residual, const T* x, int64_t n) {
+  int64_t k = 0;
+  if constexpr (kWideRows<T>)
+    for (; k + kLanesWide <= n; k += kLanesWide)
+      store16(residual + k, round16<T>(load16f(x + k) + load16f(residual + k)));
+  for (; k < n; ++k) residual[k] = static_cast<T>(to_f(x[k]) + to_f(residual[k]));
+}
+
 // In place: residual = x + residual; x = rms_norm(residual) * weight.
 void fused_add_rms_norm(Tensor x, Tensor residual, const Tensor& weight, double eps) {
   check_rows(x, weight, "fused_add_rms_norm");
@@ -761,7 +841,7 @@ void fused_add_rms_norm(Tensor x, Tensor residual, const Tensor& weight, double 
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* xr = x.data_ptr<scalar_t>() + i * x.stride(0);
         scalar_t* rr = residual.data_ptr<scalar_t>() + i * residual.stride(0);
-        for (int64_t k = 0; k < n; ++k) rr[k] = static_cast<scalar_t>(to_f(xr[k]) + to_f(rr[k]));
+        add_row(rr, xr, n);
         rms_norm_row(xr, rr, weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
       }
     });
@@ -847,6 +927,18 @@ Tensor attention_block(Tensor qkv, const Tensor& positions, const c10::optional<
 // the dtype first (as F.silu(gate) * up).
 template <typename T>
 void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t d, float* buf) {
+  if constexpr (kWideRows<T>) {
+    int64_t k = 0;
+    for (; k + kLanesWide <= d; k += kLanesWide) {
+      const vf16 g = load16f(gate + k);
+      store16(out + k, round16<T>(round16<T>(g / (1.0f + vexp16(-g))) * load16f(up + k)));
+    }
+    for (; k < d; ++k) {
+      const float g = to_f(gate[k]);
+      out[k] = static_cast<T>(to_f(static_cast<T>(g / (1.0f + exp_scalar(-g)))) * to_f(up[k]));
+    }
+    return;
+  }
   load_row(buf, gate, d);
   int64_t k = 0;
   for (; k + kLanes <= d; k += kLanes) {
@@ -869,6 +961,58 @@ Tensor silu_and_mul(const Tensor& x) {
         const scalar_t* g = x.data_ptr<scalar_t>() + i * x.stride(0);
         silu_and_mul_row(out.data_ptr<scalar_t>() + i * d, g, g + d, d, buf.data());
       }
+    });
+  });
+  return out;
+}
+
+// ---- greedy sampling --------------------------------------------------------------------
+
+// The index of the first maximum of x [n] (torch.max's: a NaN counts as the maximum).
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float best = -INFINITY;
+  int64_t at = 0, k = 0;
+  bool nan = false;
+  if constexpr (kWideRows<T>) {
+    vf16 top = vf16{} - INFINITY;
+    vi16 top_at{}, lane{};
+    for (int j = 0; j < kLanesWide; ++j) lane[j] = j;
+    vi16 nans{};
+    for (; k + kLanesWide <= n; k += kLanesWide, lane += kLanesWide) {
+      const vf16 v = load16f(x + k);
+      const vi16 higher = v > top;  // strict: each lane keeps its first maximum
+      top = higher ? v : top;
+      top_at = higher ? lane : top_at;
+      nans |= v != v;
+    }
+    for (int j = 0; j < kLanesWide; ++j) {
+      nan = nan || nans[j];
+      if (top[j] > best || (top[j] == best && top_at[j] < at)) best = top[j], at = top_at[j];
+    }
+  }
+  for (; k < n; ++k) {
+    const float v = to_f(x[k]);
+    nan = nan || v != v;
+    if (v > best) best = v, at = k;
+  }
+  if (nan)
+    for (k = 0; k < n; ++k)
+      if (to_f(x[k]) != to_f(x[k])) return k;
+  return at;
+}
+
+// x [M, N] -> [M] int64: each row's argmax (the first maximum), as x.max(dim=-1).indices.
+Tensor argmax_rows(const Tensor& x) {
+  check_cpu(x, "argmax_rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be [rows, n > 0] with contiguous rows");
+  Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  TANDEM_DISPATCH(x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    int64_t* op = out.data_ptr<int64_t>();
+    at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) op[i] = argmax_row(xp + i * x.stride(0), x.size(1));
     });
   });
   return out;
@@ -1272,6 +1416,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
         "int head_dim, bool is_neox) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
+
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("attention_block(Tensor(a!) qkv, Tensor positions, Tensor? cos_sin_cache, bool is_neox, "
@@ -1286,6 +1432,8 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
+
   m.impl("attention_block", &attention_block);
   m.impl("int8_linear", &int8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
