@@ -18,8 +18,9 @@
 // dot products use fused multiply-adds (vfma) where the CPU has them.
 //
 // Where the compiler targets AVX-512 (-march=native on such a CPU), attention and the w8a8 linear
-// take 16-lane paths (VNNI and BF16 dot products where present); elsewhere the 8-lane ones. Both
-// agree with the reference; their float sums run in different orders.
+// take AVX-512 paths (BF16 and VNNI dot products where present); elsewhere 8-lane AVX2 ones. Both
+// agree with the reference; their float sums run in different orders. The elementwise row ops
+// (norms, SiLU, argmax) use 16-lane vector extensions on every target.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -419,11 +420,9 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
 
 constexpr int64_t kLanes16 = 16;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// 16 values of a cache row as floats, in an AVX-512 register.
+inline __m512 load16(const float* p) { return load16f(p); }
+inline __m512 load16(const c10::BFloat16* p) { return load16f(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
