@@ -418,8 +418,6 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
 // prefetches block b of V (needed next) and block b of the next item's K: without the prefetches
 // the loads wait on memory (batch-32 attention of the default model 14 ms instead of 6).
 
-constexpr int64_t kLanes16 = 16;
-
 // 16 values of a cache row as floats, in an AVX-512 register.
 inline __m512 load16(const float* p) { return load16f(p); }
 inline __m512 load16(const c10::BFloat16* p) { return load16f(p); }
@@ -464,7 +462,7 @@ struct FmaQk {
     __m512 a[NG][R];
     for (int j = 0; j < NG; ++j)
       for (int r = 0; r < R; ++r) a[j][r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += kLanes16) {
+    for (int64_t c = 0; c < d; c += kLanesWide) {
       __m512 kv[R];
       for (int r = 0; r < R; ++r) kv[r] = load16(k + r * d + c);
       for (int j = 0; j < NG; ++j) {
@@ -532,8 +530,9 @@ inline void qk_rows16(const Qk& qk, float* scores, int64_t len, const T* k, int6
 // acc[j][c0 .. c0 + 16 CH) += sum over keys t < len of p[j * len + t] * v[t] for NG heads, V read
 // block by block through the table.
 template <int NG, int CH, typename T>
-__attribute__((always_inline)) inline void pv_tile16(float* acc, const float* p, int64_t len, const T* v_cache, const int32_t* table,
-                      int64_t block_stride, int64_t head_off, int64_t block_size, int64_t d, int64_t c0) {
+__attribute__((always_inline)) inline void pv_tile16(float* acc, const float* p, int64_t len, const T* v_cache,
+                                                     const int32_t* table, int64_t block_stride, int64_t head_off,
+                                                     int64_t block_size, int64_t d, int64_t c0) {
   __m512 a[NG][CH];
   for (int j = 0; j < NG; ++j)
     for (int h = 0; h < CH; ++h) a[j][h] = _mm512_setzero_ps();
@@ -542,7 +541,7 @@ __attribute__((always_inline)) inline void pv_tile16(float* acc, const float* p,
     const int64_t n = std::min(block_size, len - t0);
     for (int64_t i = 0; i < n; ++i) {
       __m512 vv[CH];
-      for (int h = 0; h < CH; ++h) vv[h] = load16(v + i * d + h * kLanes16);
+      for (int h = 0; h < CH; ++h) vv[h] = load16(v + i * d + h * kLanesWide);
       for (int j = 0; j < NG; ++j) {
         const __m512 pj = _mm512_set1_ps(p[j * len + t0 + i]);
         for (int h = 0; h < CH; ++h) a[j][h] = _mm512_fmadd_ps(pj, vv[h], a[j][h]);
@@ -550,7 +549,7 @@ __attribute__((always_inline)) inline void pv_tile16(float* acc, const float* p,
     }
   }
   for (int j = 0; j < NG; ++j)
-    for (int h = 0; h < CH; ++h) _mm512_storeu_ps(acc + j * d + c0 + h * kLanes16, a[j][h]);
+    for (int h = 0; h < CH; ++h) _mm512_storeu_ps(acc + j * d + c0 + h * kLanesWide, a[j][h]);
 }
 
 template <int CH, typename T>
@@ -568,7 +567,7 @@ inline void pv_heads16(float* acc, const float* p, int64_t len, const T* v_cache
 inline float max_of(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   int64_t i = 0;
-  for (; i + kLanes16 <= n; i += kLanes16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  for (; i + kLanesWide <= n; i += kLanesWide) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
   float best = _mm512_reduce_max_ps(m);
   for (; i < n; ++i) best = std::max(best, x[i]);
   return best;
@@ -601,13 +600,13 @@ void attend_one_avx512(T* out, const T* query, const T* k_cache, const T* v_cach
                 reinterpret_cast<const char*>(k_next), row_bytes);
     }
   };
+  bool done = false;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (d % 32 == 0) qk_blocks(Bf16Qk{heads, d, scale});
-  }
-  const bool done = std::is_same_v<T, c10::BFloat16> && d % 32 == 0;
-#else
-  const bool done = false;
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (d % 32 == 0) {
+      qk_blocks(Bf16Qk{heads, d, scale});
+      done = true;
+    }
 #endif
   if (!done) {
     for (int64_t i = 0; i < group * d; ++i) q[i] = to_f(heads[i]);
@@ -618,16 +617,16 @@ void attend_one_avx512(T* out, const T* query, const T* k_cache, const T* v_cach
     float* s = scores + g * len;
     sums[g] = exp_shifted_inplace(s, len, max_of(s, len));
   }
-  const int64_t chunks = d / kLanes16;
+  const int64_t chunks = d / kLanesWide;
   for (int64_t g = 0; g < group; g += 4) {
     const int64_t ng = std::min<int64_t>(4, group - g);
     int64_t c = 0;
     for (; c + 4 <= chunks; c += 4)
       pv_heads16<4>(acc + g * d, scores + g * len, len, v_cache, table, block_stride, kvh * run, block_size, d,
-                    c * kLanes16, ng);
+                    c * kLanesWide, ng);
     for (; c < chunks; ++c)
       pv_heads16<1>(acc + g * d, scores + g * len, len, v_cache, table, block_stride, kvh * run, block_size, d,
-                    c * kLanes16, ng);
+                    c * kLanesWide, ng);
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv_sum = 1.0f / sums[g];
@@ -638,8 +637,8 @@ void attend_one_avx512(T* out, const T* query, const T* k_cache, const T* v_cach
 constexpr bool kHaveAttendAvx512 = true;
 #else
 template <typename T>
-void attend_one_avx512(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                  int64_t, float, const int32_t*, int64_t, int64_t, std::vector<float>&) {}
+void attend_one_avx512(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, int64_t, float, const int32_t*, int64_t, int64_t, std::vector<float>&) {}
 constexpr bool kHaveAttendAvx512 = false;
 #endif
 
@@ -713,8 +712,8 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
             next_blocks = (keys_seen((item + 1) / num_kv_heads) + block_size - 1) / block_size;
           }
           attend_one_avx512(o + tok * o_stride, q + tok * q_stride, kc, vc, table, len, kvh, group, head_dim,
-                       block_size, num_kv_heads, static_cast<float>(scale), next_table, next_blocks,
-                       (item + 1) % num_kv_heads, scratch);
+                            block_size, num_kv_heads, static_cast<float>(scale), next_table, next_blocks,
+                            (item + 1) % num_kv_heads, scratch);
         } else {
           attend_one(o + tok * o_stride, q + tok * q_stride, kc, vc, table, len, kvh, group, head_dim,
                      block_size, num_kv_heads, static_cast<float>(scale), scratch);
@@ -1416,7 +1415,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
         "int head_dim, bool is_neox) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("attention_block(Tensor(a!) qkv, Tensor positions, Tensor? cos_sin_cache, bool is_neox, "
@@ -1432,7 +1430,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
-
   m.impl("attention_block", &attention_block);
   m.impl("int8_linear", &int8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
