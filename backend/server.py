@@ -68,6 +68,9 @@ TOKENIZER_CHUNK_BYTES = 1024 * 1024  # the proto's per-chunk maximum
 ERROR_PARAM_METADATA_KEY = "tandem-error-param"
 DEFAULT_MAX_CONNECTION_AGE_S = 300.0
 ENGINE_HEALTH_POLL_S = 0.5
+# A client's deadline timer starts before ours (we start ours when its headers arrive), so its
+# cancel at the deadline reaches us up to a transit time early; an end this close counts as expired.
+DEADLINE_EARLY_CANCEL_S = 0.1
 
 _FINISH_REASON_TO_PROTO = {
     None: engine_pb2.FINISH_REASON_UNSPECIFIED,
@@ -379,7 +382,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             call.abort_unfinished()  # cancelled or past its deadline: count the ends, send nothing
             raise
         finally:
-            if deadline is not None and time.monotonic() >= deadline and self.metrics is not None:
+            if deadline is not None and time.monotonic() >= deadline - DEADLINE_EARLY_CANCEL_S \
+                    and self.metrics is not None:
                 self.metrics.observe_deadline_expired()
             self.num_sequences_in_flight -= params.n
             del self._stop_events[request_id]
