@@ -149,13 +149,27 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (num_blocks, num_kv_heads, block_size, head_dim)
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn  # --kv-cache-dtype fp8
+FP8_MAX = 448.0  # its largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: unchanged in its own dtype; in fp8 clamped to +-448 first (torch's
+    fp8 conversion makes NaN of what overflows), then rounded to nearest even."""
+    if x.dtype == dtype:
+        return x
+    if dtype == FP8_KV_DTYPE:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] -> the slots in slot_mapping [num_tokens]."""
     block_size = k_cache.shape[2]
     blocks, rows = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, rows] = key.to(k_cache.dtype)  # [num_tokens, kvh, head_dim] slices
-    v_cache[blocks, :, rows] = value.to(v_cache.dtype)
+    k_cache[blocks, :, rows] = to_cache_dtype(key, k_cache.dtype)  # [num_tokens, kvh, head_dim] slices
+    v_cache[blocks, :, rows] = to_cache_dtype(value, v_cache.dtype)
 
 
 # ---- attention --------------------------------------------------------------------
@@ -256,7 +270,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim]; key/value: this step's
     [num_tokens, num_kv_heads, head_dim], already written to the caches.
-    Returns [num_tokens, num_heads, head_dim] in query's dtype."""
+    Returns [num_tokens, num_heads, head_dim] in query's dtype. Attention sees K and V as the
+    caches hold them (in an fp8 cache: rounded)."""
     if isinstance(plan, VarlenPlan):
         plan = _plan_from_varlen(plan, k_cache.shape[2])
     num_tokens, num_heads, head_dim = query.shape
@@ -267,8 +282,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if plan.num_decodes:
         q = query if plan.decode_rows is None else query.index_select(0, plan.decode_rows)
         n = q.shape[0]
-        k = _gather(k_cache, plan.decode_block_tables)  # [n, kvh, span, d]
-        v = _gather(v_cache, plan.decode_block_tables)
+        k = _gather(k_cache, plan.decode_block_tables).to(q.dtype)  # [n, kvh, span, d]
+        v = _gather(v_cache, plan.decode_block_tables).to(q.dtype)
         # 4-D SDPA (its fused CPU kernel): ~2x faster here than batched matmuls + softmax.
         o = F.scaled_dot_product_attention(q.view(n, num_heads, 1, head_dim), k, v,
                                            attn_mask=plan.decode_mask, scale=scale, enable_gqa=group > 1)
@@ -281,8 +296,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for (_, start, q_len, seq_len), table in zip(plan.prefills, plan.prefill_block_tables):
         q = query[start:start + q_len].transpose(0, 1)  # [num_heads, q_len, d]
         if seq_len == q_len:  # nothing cached before this chunk: use this step's K/V
-            k = key[start:start + q_len].transpose(0, 1)  # [kvh, q_len, d]
-            v = value[start:start + q_len].transpose(0, 1)
+            k = to_cache_dtype(key[start:start + q_len], k_cache.dtype).transpose(0, 1)  # [kvh, q_len, d]
+            v = to_cache_dtype(value[start:start + q_len], v_cache.dtype).transpose(0, 1)
             mask, causal = None, True
         else:
             k = _gather(k_cache, table)[:, :seq_len]  # [kvh, seq_len, d]

@@ -10,6 +10,8 @@
 //     cache[num_blocks, num_kv_heads, block_size, head_dim]
 //     token p of a request -> block block_table[p / block_size], row p % block_size
 // so one (block, KV head) is one contiguous block_size * head_dim run that attention streams.
+// The caches hold the model's dtype, or fp8 (e4m3fn, --kv-cache-dtype fp8): values clamped to
+// +-448 and rounded to nearest even as written (torch's conversion), widened exactly as read.
 //
 // Compiled with -ffp-contract=off: the elementwise ops round after each
 // multiply and add exactly as the torch reference does (no fused multiply-add),
@@ -26,6 +28,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -53,6 +56,16 @@ inline float to_f(T x) { return static_cast<float>(x); }
       default: TORCH_CHECK(false, NAME, ": unsupported dtype ", dtype);             \
     }                                                                               \
   }()
+
+// TANDEM_DISPATCH, and cache_t: the KV caches' element type, scalar_t itself or fp8 (e4m3fn).
+#define TANDEM_DISPATCH_CACHE(dtype, cache_dtype, NAME, ...)                                         \
+  TANDEM_DISPATCH(dtype, NAME, [&] {                                                                \
+    if ((cache_dtype) == at::kFloat8_e4m3fn) { using cache_t = c10::Float8_e4m3fn; return __VA_ARGS__(); } \
+    TORCH_CHECK((cache_dtype) == c10::CppTypeToScalarType<scalar_t>::value, NAME,                     \
+                ": the caches must have the activations' dtype or float8_e4m3fn");                 \
+    using cache_t = scalar_t;                                                                       \
+    return __VA_ARGS__();                                                                           \
+  })
 
 void check_cpu(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -174,6 +187,20 @@ inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_
     const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
     std::memcpy(dst + i, &word, sizeof word);
   }
+}
+
+// Every e4m3fn byte's value (NaN bytes included): the generic path's fp8 -> float conversion.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) value[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+
+template <>
+inline void load_row<c10::Float8_e4m3fn>(float* dst, const c10::Float8_e4m3fn* src, int64_t n) {
+  static const Fp8Table table;
+  for (int64_t i = 0; i < n; ++i) dst[i] = table.value[src[i].x];
 }
 
 // A cached K or V row as floats: the cache itself for float, else converted into buf.
@@ -348,8 +375,8 @@ inline void accumulate_v(float* acc, const float* scores, int64_t len, int64_t t
 // One work item: one query token and one KV head, i.e. the `group` query heads that share it.
 // Scores for keys 0..len-1 are computed row by row straight from the cache blocks (no gather),
 // softmaxed, then V is accumulated. The next block is prefetched while one is read.
-template <typename T>
-void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+template <typename T, typename C>
+void attend_one(T* out, const T* query, const C* k_cache, const C* v_cache, const int32_t* table,
                 int64_t len, int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
                 int64_t num_kv_heads, float scale, std::vector<float>& scratch) {
   const int64_t run = block_size * head_dim;  // one (block, KV head)
@@ -358,7 +385,7 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
   float* scores = scratch.data();                 // [group, len]
   float* q = scores + group * len;                // [group, head_dim], pre-scaled
   float* rows = q + group * head_dim;             // [block_size, head_dim]: a block as float
-  auto block_at = [&](const T* cache, int64_t b) { return cache + table[b] * block_stride + kvh * run; };
+  auto block_at = [&](const C* cache, int64_t b) { return cache + table[b] * block_stride + kvh * run; };
   const int64_t num_blocks = (len + block_size - 1) / block_size;
 
   for (int64_t g = 0; g < group; ++g) {
@@ -366,7 +393,7 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
     for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_f(src[d]) * scale;
   }
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* next = b + 1 < num_blocks ? block_at(k_cache, b + 1) : nullptr;
+    const C* next = b + 1 < num_blocks ? block_at(k_cache, b + 1) : nullptr;
     const bool rows_of_8 = kHaveDots8 && head_dim % kLanes == 0;
     if (next && !rows_of_8) prefetch_run(next, run);
     const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
@@ -399,7 +426,7 @@ void attend_one(T* out, const T* query, const T* k_cache, const T* v_cache, cons
     for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupTile)  // the first tile prefetches the next block
       accumulate_v(acc + g0 * head_dim, scores + g0 * len, len, t0, v, n, head_dim,
                    std::min(kMaxGroupTile, group - g0), g0 == 0 ? next : nullptr,
-                   head_dim * static_cast<int64_t>(sizeof(T)));
+                   head_dim * static_cast<int64_t>(sizeof(C)));
   }
   for (int64_t g = 0; g < group; ++g) {
     T* dst = out + (kvh * group + g) * head_dim;
@@ -423,6 +450,48 @@ inline __m512 load16(const float* p) { return load16f(p); }
 inline __m512 load16(const c10::BFloat16* p) { return load16f(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// fp8 values / 2^8, exactly: e4m3fn s.eeee.mmm is the half s.0eeee.mmm0000000 times 2^8 (exponent
+// bias 7 against 15; subnormals alike): sign-extend to 16 bits, shift left 7, clear bit 14. The
+// callers fold the 2^8 into the softmax scale and the final normalization (kLoadUnit).
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
+template <typename C>
+constexpr float kLoadUnit = std::is_same_v<C, c10::Float8_e4m3fn> ? 256.0f : 1.0f;  // value = load16 * this
+
+// exp(x) for 16 lanes with x <= 0 (scores less their maximum): Cephes' polynomial as in vexp_t,
+// with fused multiply-adds, and vscalefps applying 2^n (so no clamping: far below range gives 0).
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// x[i] = exp(x[i] - shift) for x[i] <= shift; returns the sum.
+inline float exp_shifted16(float* x, int64_t n, float shift) {
+  const __m512 sh = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanesWide <= n; i += kLanesWide) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
+    _mm512_storeu_ps(x + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), sh));
+    _mm512_mask_storeu_ps(x + i, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 // [sum of a0's lanes, ..., sum of a3's lanes]. By value: an accumulator array whose address is
@@ -564,6 +633,77 @@ inline void pv_heads16(float* acc, const float* p, int64_t len, const T* v_cache
   }
 }
 
+#if defined(__AVX512BF16__)
+// PV on bf16 caches as bf16 pairs: value rows t and t + 1 interleaved column by column
+// (vpunpck{l,h}wd), times the pair (p_t, p_t+1) rounded to bf16 (as torch's CPU flash attention
+// rounds its probabilities before multiplying V), with vdpbf16ps: half the instructions of
+// widening V and multiplying in fp32. The unpacks permute columns within each 128-bit lane (the
+// lo sums hold columns 0-3 of every 8, the hi sums 4-7); undone once, at the end.
+// acc[j][c0 .. c0 + 32 CH) = sum over keys t < len of p[t] * v[t] for NG heads; pairs [NG][pair_stride]
+// holds each head's (p_2k, p_2k+1) as bf16 pairs (p_len = 0 when len is odd); block_size is even.
+template <int NG, int CH>
+__attribute__((always_inline)) inline void pv_pairs_tile(float* acc, const uint32_t* pairs, int64_t pair_stride,
+                                                         int64_t len, const c10::BFloat16* v_cache,
+                                                         const int32_t* table, int64_t block_stride, int64_t head_off,
+                                                         int64_t block_size, int64_t d, int64_t c0) {
+  __m512 lo[NG][CH], hi[NG][CH];
+  for (int j = 0; j < NG; ++j)
+    for (int h = 0; h < CH; ++h) lo[j][h] = hi[j][h] = _mm512_setzero_ps();
+  auto step = [&](const c10::BFloat16* row, const c10::BFloat16* next_row, int64_t pair) {
+    __m512bh x_lo[CH], x_hi[CH];
+    for (int h = 0; h < CH; ++h) {
+      const __m512i a = _mm512_loadu_si512(row + h * 32);
+      const __m512i b = next_row ? _mm512_loadu_si512(next_row + h * 32) : _mm512_setzero_si512();
+      x_lo[h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      x_hi[h] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int j = 0; j < NG; ++j) {
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j * pair_stride + pair]));
+      for (int h = 0; h < CH; ++h) {
+        lo[j][h] = _mm512_dpbf16_ps(lo[j][h], x_lo[h], pj);
+        hi[j][h] = _mm512_dpbf16_ps(hi[j][h], x_hi[h], pj);
+      }
+    }
+  };
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const c10::BFloat16* v = v_cache + table[t0 / block_size] * block_stride + head_off + c0;
+    const int64_t n = std::min(block_size, len - t0);
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) step(v + i * d, v + (i + 1) * d, (t0 + i) / 2);
+    if (i < n) step(v + i * d, nullptr, (t0 + i) / 2);  // the last key, paired with p_len = 0
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int j = 0; j < NG; ++j)
+    for (int h = 0; h < CH; ++h) {
+      float* dst = acc + j * d + c0 + h * 32;
+      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo[j][h], first, hi[j][h]));
+      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo[j][h], second, hi[j][h]));
+    }
+}
+
+template <int CH>
+inline void pv_pairs_heads(float* acc, const uint32_t* pairs, int64_t pair_stride, int64_t len,
+                           const c10::BFloat16* v_cache, const int32_t* table, int64_t block_stride,
+                           int64_t head_off, int64_t block_size, int64_t d, int64_t c0, int64_t ng) {
+  switch (ng) {
+    case 1: return pv_pairs_tile<1, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    case 2: return pv_pairs_tile<2, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    case 3: return pv_pairs_tile<3, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    default: return pv_pairs_tile<4, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+  }
+}
+
+// p [n] floats -> bf16 (nearest even), n rounded up to even with a 0.
+inline void to_bf16_pairs(uint16_t* dst, const float* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanesWide <= n; i += kLanesWide)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i)));
+  for (; i < n; ++i) dst[i] = c10::BFloat16(p[i]).x;
+  if (n % 2) dst[n] = 0;
+}
+#endif
+
 inline float max_of(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   int64_t i = 0;
@@ -575,34 +715,36 @@ inline float max_of(const float* x, int64_t n) {
 
 // attend_one's contract, for head_dim a multiple of 16. next_table / next_blocks / next_kvh: the
 // work item after this one (null / 0: none), whose K blocks are prefetched while this one runs.
-template <typename T>
-void attend_one_avx512(T* out, const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+template <typename T, typename C>
+void attend_one_avx512(T* out, const T* query, const C* k_cache, const C* v_cache, const int32_t* table,
                        int64_t len, int64_t kvh, int64_t group, int64_t d, int64_t block_size,
                        int64_t num_kv_heads, float scale, const int32_t* next_table, int64_t next_blocks,
                        int64_t next_kvh, std::vector<float>& scratch) {
   const int64_t run = block_size * d;  // one (block, KV head)
   const int64_t block_stride = num_kv_heads * run;
   auto k_run = [&](const int32_t* tab, int64_t b, int64_t head) { return k_cache + tab[b] * block_stride + head * run; };
-  scratch.resize(group * len + 2 * group * d + group);
+  const int64_t pair_stride = (len + 1) / 2;  // bf16 pairs of probabilities per head
+  scratch.resize(group * len + 2 * group * d + group + group * pair_stride);
   float* scores = scratch.data();   // [group, len]: scores, then exp(score - max)
   float* q = scores + group * len;  // [group, d]: the heads as floats (FmaQk)
   float* acc = q + group * d;       // [group, d]: sum over keys of exp(score - max) * v
   float* sums = acc + group * d;    // [group]: sum over keys of exp(score - max)
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(sums + group);  // [group, pair_stride]: (pv_pairs_tile)
   const T* heads = query + kvh * group * d;  // [group, d]
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(C));
   auto qk_blocks = [&](const auto& qk) {
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-      const T* v_now = v_cache + table[b] * block_stride + kvh * run;
-      const T* k_next = b < next_blocks ? k_run(next_table, b, next_kvh) : nullptr;
+      const C* v_now = v_cache + table[b] * block_stride + kvh * run;
+      const C* k_next = b < next_blocks ? k_run(next_table, b, next_kvh) : nullptr;
       qk_rows16(qk, scores + t0, len, k_run(table, b, kvh), n, group, d, reinterpret_cast<const char*>(v_now),
                 reinterpret_cast<const char*>(k_next), row_bytes);
     }
   };
   bool done = false;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>)
     if (d % 32 == 0) {
       qk_blocks(Bf16Qk{heads, d, scale});
       done = true;
@@ -610,15 +752,34 @@ void attend_one_avx512(T* out, const T* query, const T* k_cache, const T* v_cach
 #endif
   if (!done) {
     for (int64_t i = 0; i < group * d; ++i) q[i] = to_f(heads[i]);
-    qk_blocks(FmaQk<T>{q, d, scale});
+    qk_blocks(FmaQk<C>{q, d, scale * kLoadUnit<C>});
   }
   for (int64_t b = num_blocks; b < next_blocks; ++b) prefetch_run(k_run(next_table, b, next_kvh), run);
   for (int64_t g = 0; g < group; ++g) {  // softmax, normalized at the end
     float* s = scores + g * len;
-    sums[g] = exp_shifted_inplace(s, len, max_of(s, len));
+    sums[g] = exp_shifted16(s, len, max_of(s, len));
   }
+  bool chunks_done = false;  // V summed by the bf16-pair path
   const int64_t chunks = d / kLanesWide;
-  for (int64_t g = 0; g < group; g += 4) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<C, c10::BFloat16>)
+    if (d % 32 == 0 && block_size % 2 == 0) {
+      for (int64_t g = 0; g < group; ++g)
+        to_bf16_pairs(reinterpret_cast<uint16_t*>(pairs + g * pair_stride), scores + g * len, len);
+      for (int64_t g = 0; g < group; g += 4) {
+        const int64_t ng = std::min<int64_t>(4, group - g);
+        int64_t c = 0;
+        for (; c + 64 <= d; c += 64)
+          pv_pairs_heads<2>(acc + g * d, pairs + g * pair_stride, pair_stride, len, v_cache, table, block_stride,
+                            kvh * run, block_size, d, c, ng);
+        if (c < d)
+          pv_pairs_heads<1>(acc + g * d, pairs + g * pair_stride, pair_stride, len, v_cache, table, block_stride,
+                            kvh * run, block_size, d, c, ng);
+      }
+      chunks_done = true;
+    }
+#endif
+  for (int64_t g = 0; g < group && !chunks_done; g += 4) {
     const int64_t ng = std::min<int64_t>(4, group - g);
     int64_t c = 0;
     for (; c + 4 <= chunks; c += 4)
@@ -629,21 +790,21 @@ void attend_one_avx512(T* out, const T* query, const T* k_cache, const T* v_cach
                     c * kLanesWide, ng);
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv_sum = 1.0f / sums[g];
+    const float inv_sum = kLoadUnit<C> / sums[g];
     T* dst = out + (kvh * group + g) * d;
     for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(acc[g * d + c] * inv_sum);
   }
 }
 constexpr bool kHaveAttendAvx512 = true;
 #else
-template <typename T>
-void attend_one_avx512(T*, const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+template <typename T, typename C>
+void attend_one_avx512(T*, const T*, const C*, const C*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
                        int64_t, int64_t, float, const int32_t*, int64_t, int64_t, std::vector<float>&) {}
 constexpr bool kHaveAttendAvx512 = false;
 #endif
 
 // out, query: [num_tokens, num_heads, head_dim] (rows may be strided, heads contiguous);
-// k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous;
+// k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous, query's dtype or fp8;
 // block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (tokens in the cache
 // after this step); query_start_loc: [num_reqs + 1] int32. Request r's query rows are the
 // newest tokens of its sequence and attend causally to its cached tokens.
@@ -656,7 +817,7 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
   Tensor out = at::empty(query.sizes(), query.options());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.sizes() == v_cache.sizes(), "caches: contiguous [blocks, kv_heads, block_size, dim]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and caches must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query: each token's heads must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
@@ -688,11 +849,11 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
       TORCH_CHECK(tables[r * max_blocks + b] >= 0 && tables[r * max_blocks + b] < num_blocks,
                   "block table of request ", r, " holds an invalid block ID");
   const bool wide = kHaveAttendAvx512 && head_dim % 16 == 0;  // the AVX-512 kernel
-  TANDEM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
+  TANDEM_DISPATCH_CACHE(query.scalar_type(), k_cache.scalar_type(), "paged_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const cache_t* kc = static_cast<const cache_t*>(k_cache.data_ptr());
+    const cache_t* vc = static_cast<const cache_t*>(v_cache.data_ptr());
     const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
     auto keys_seen = [&](int64_t tok) {  // keys query row tok attends to
       const int64_t r = req_of[tok];
@@ -726,6 +887,8 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
 
 // ---- KV cache ---------------------------------------------------------------------
 
+constexpr float kFp8Max = 448.0f;  // e4m3fn's largest finite value
+
 // key, value: [num_tokens, num_kv_heads, head_dim] (rows may be strided); slot_mapping:
 // [num_tokens] int64, slot = block * block_size + row -> cache[block, :, row, :].
 void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tensor v_cache,
@@ -734,8 +897,8 @@ void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tens
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == key.size(1) &&
               k_cache.size(3) == key.size(2), "caches: contiguous [blocks, kv_heads, block_size, dim]");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "key/value must have the caches' dtype");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "key and value, and the two caches, must share a dtype");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: each head's dims must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.size(0) == key.size(0), "slot_mapping: [num_tokens] int64");
@@ -744,17 +907,24 @@ void write_kv_cache(const Tensor& key, const Tensor& value, Tensor k_cache, Tens
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_tokens; ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
-  TANDEM_DISPATCH(key.scalar_type(), "write_kv_cache", [&] {
+  TANDEM_DISPATCH_CACHE(key.scalar_type(), k_cache.scalar_type(), "write_kv_cache", [&] {
     const scalar_t* k = key.data_ptr<scalar_t>();
     const scalar_t* v = value.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    cache_t* kc = static_cast<cache_t*>(k_cache.data_ptr());
+    cache_t* vc = static_cast<cache_t*>(v_cache.data_ptr());
+    auto put = [&](const scalar_t* src, cache_t* dst) {
+      if constexpr (std::is_same_v<cache_t, scalar_t>) {
+        std::copy_n(src, dim, dst);
+      } else {  // fp8: torch's conversion (nearest even) of the value clamped to +-448 (NaN stays NaN)
+        for (int64_t c = 0; c < dim; ++c) dst[c] = cache_t(std::clamp(to_f(src[c]), -kFp8Max, kFp8Max));
+      }
+    };
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t block = slots[i] / block_size, row = slots[i] % block_size;
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t dst = ((block * heads + h) * block_size + row) * dim;
-        std::copy_n(k + i * key.stride(0) + h * key.stride(1), dim, kc + dst);
-        std::copy_n(v + i * value.stride(0) + h * value.stride(1), dim, vc + dst);
+        put(k + i * key.stride(0) + h * key.stride(1), kc + dst);
+        put(v + i * value.stride(0) + h * value.stride(1), vc + dst);
       }
     }
   });
