@@ -21,6 +21,8 @@ from backend.errors import InvalidRequestError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")
 QUANTIZATIONS = ("int8", "w8a8")  # int8 weights on the CPU (backend/models/linear_methods.py)
+# The KV cache's element type: auto = the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn, as vLLM's).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -65,6 +67,9 @@ FIELD_HELP = {
     "quantization": "int8 weights on the CPU: int8 (weight-only, float32 activations: the matmul "
                     "with the dequantized weights) or w8a8 (activations also quantized, per 32-wide "
                     "block: a ~1.3x faster decode step at batch 1, approximate) (default: the checkpoint's precision)",
+    "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
+                      "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
+                      "in the same memory, half the bytes attention reads); approximate; CPU only",
     "speculative_config": 'speculative decoding by n-gram prompt lookup, vLLM\'s JSON, e.g. '
                           '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                           '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\' (default: off)',
@@ -181,6 +186,7 @@ class EngineConfig:
     download_dir: Optional[str] = None  # where fetched and converted models live
     # Weight quantization: None (the checkpoint's precision), "int8" (weight-only) or "w8a8" (CPU).
     quantization: Optional[str] = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}
     speculative_config: Optional[dict] = None
 
@@ -217,6 +223,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             bad("quantization", f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
                 f"got {self.quantization!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}.")
         if self.distributed_executor_backend not in (None, *EXECUTORS):
             bad("distributed_executor_backend",
                 f"distributed_executor_backend must be one of {', '.join(EXECUTORS)}; "
@@ -227,6 +236,11 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def kv_cache_dtype_name(self) -> Optional[str]:
+        """The torch dtype name of the KV cache (after ``resolve()``)."""
+        return self.torch_dtype_name if self.kv_cache_dtype == "auto" else "float8_e4m3fn"
 
     @property
     def world_size(self) -> int:
@@ -297,6 +311,10 @@ class EngineConfig:
                 f"quantization={self.quantization!r} is implemented for the CPU with float32 "
                 f"activations; got device {self.device_type}, dtype {self.torch_dtype_name}.",
                 param="quantization")
+        if self.kv_cache_dtype != "auto" and self.device_type != "cpu":
+            raise InvalidRequestError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is implemented for the CPU; the GPU's "
+                "attention kernels read caches in the model's dtype only.", param="kv_cache_dtype")
 
     def _check_parallel_sizes(self) -> None:
         """Refuse TP/PP sizes the model cannot be split by, before any worker starts."""

@@ -76,8 +76,8 @@ class LLMEngine:
         self.proposer = NgramProposer(self.speculative) if self.speculative else None
         self.num_draft_tokens_total = 0  # speculative tokens proposed, and accepted
         self.num_accepted_tokens_total = 0
-        logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens", config.served_model_name,
-                    config.torch_dtype_name, num_blocks, config.block_size)
+        logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens (%s)", config.served_model_name,
+                    config.torch_dtype_name, num_blocks, config.block_size, config.kv_cache_dtype_name)
 
     def _init_kv_cache(self) -> int:
         num_blocks = self.executor.determine_num_blocks()

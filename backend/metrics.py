@@ -66,7 +66,7 @@ class _EngineCollector(Collector):
         info = GaugeMetricFamily("tandem:cache_config_info", "The KV cache's configuration (value 1).",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"])
         info.add_metric([str(config.block_size), str(self._engine.block_manager.num_blocks),
-                         str(config.enable_prefix_caching), str(config.torch_dtype_name)], 1)
+                         str(config.enable_prefix_caching), str(config.kv_cache_dtype_name)], 1)
         yield info
 
 

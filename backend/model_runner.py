@@ -57,6 +57,7 @@ class ModelRunner:
         self.device = device
         self.parallel = get_parallel_state()  # this worker's TP/PP place (set up before the runner)
         self.dtype = getattr(torch, config.torch_dtype_name)
+        self.kv_dtype = getattr(torch, config.kv_cache_dtype_name)
         self.block_size = config.block_size
         self.model = None
         self.attn_layers: list[Attention] = []
@@ -96,7 +97,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
         per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim
-        return per_layer * len(self.attn_layers) * torch.tensor([], dtype=self.dtype).element_size()
+        return per_layer * len(self.attn_layers) * self.kv_dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit the memory budget (or the configured exact count)."""
@@ -128,8 +129,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = kernels.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.dtype, device=self.device))
+            kv = (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             layer.kv_cache = kv
             self.kv_caches.append(kv)
 
