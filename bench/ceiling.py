@@ -107,31 +107,48 @@ def engines(dtype_bf16: bool):
     return out
 
 
-def engine_step_ms(model, quantization, batch: int, context: int, steps: int = 12) -> tuple[float, float]:
-    """(median, best) ms of the engine's step() while ``batch`` sequences decode, ~``context`` tokens
-    each. The best is the statistic the matmul ceiling uses (best_time), so best / ceiling compares
-    like with like; the median shows what a noisy machine gives."""
+def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int, context: int,
+                           ceiling_step, rounds: int = 8, steps: int = 4) -> dict:
+    """Tandem's decode step at ``batch`` sequences of ~``context`` cached tokens, and the ceiling's
+    matmul step (``ceiling_step()``), timed in alternating rounds in one process: the machine's
+    speed drifts (up to 2x within minutes here), and a ratio of two figures taken minutes apart
+    carries that drift. Each round: the ceiling's best of 3, then ``steps`` engine steps.
+    Returns medians and bests of the step, the ceiling and their per-round ratio."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.request import SamplingParams
 
-    config = EngineConfig(model=model, quantization=quantization, max_num_seqs=max(batch, 1)).resolve()
+    config = EngineConfig(model=model, quantization=quantization, max_num_seqs=max(batch, 1),
+                          kv_cache_dtype=kv_cache_dtype).resolve()
     engine = LLMEngine(config)
     vocab = config.hf_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=rounds * steps + 8, ignore_eos=True)
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):  # distinct prompts: no prefix sharing
         prompt = torch.randint(100, vocab - 100, (context,), generator=generator).tolist()
         engine.add_request(f"r{i}", prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()  # prefill everyone first
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    engine.step()
+    step_times, ceiling_times, ratios = [], [], []
+    for _ in range(rounds):
+        ceiling = best_time(ceiling_step, 3, 0.0)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        ceiling_times.append(ceiling)
+        step_times += times
+        ratios.append(sorted(times)[len(times) // 2] / ceiling)
     engine.shutdown()
-    return sorted(times)[len(times) // 2] * 1e3, min(times) * 1e3
+
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    return {"step_ms": median(step_times) * 1e3, "step_best_ms": min(step_times) * 1e3,
+            "ceiling_ms": median(ceiling_times) * 1e3, "ceiling_best_ms": min(ceiling_times) * 1e3,
+            "ratio": median(ratios), "ratio_best": min(step_times) / min(ceiling_times)}
 
 
 def main() -> None:
@@ -140,6 +157,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32,64,128")
     parser.add_argument("--engine", action="store_true", help="also time Tandem's decode step at each batch")
     parser.add_argument("--quantization", default=None, help="the engine's --quantization (with --engine)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (with --engine)")
     parser.add_argument("--context", type=int, default=200, help="tokens cached per sequence (with --engine)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -190,15 +208,29 @@ def main() -> None:
     print(f"\nbatch-1 bandwidth floor: fp32 weights {floor * 1e3:.1f} ms/step ({1 / floor:.0f} tok/s), "
           f"int8 {floor / 4 * 1e3:.1f} ms ({4 / floor:.0f} tok/s)")
     if args.engine:
-        print(f"\nTandem's decode step ({args.quantization or config.torch_dtype_name} weights, {args.context} tokens "
-              f"cached per sequence): ms, and its ratio to the ceiling's step (target <= 1.4 at batch 32)")
-        print(f"{'batch':>5} {'median ms':>10} {'best ms':>8} {'tok/s':>7} {'median / ceiling':>17} {'best / ceiling':>15}")
+        print(f"\nTandem's decode step ({args.quantization or config.torch_dtype_name} weights, KV cache "
+              f"{args.kv_cache_dtype}, {args.context} tokens cached per sequence) and the ceiling's matmul step, "
+              f"timed in alternating rounds: ms, and the step's ratio to the ceiling (target <= 1.4 at batch 32)")
+        print(f"{'batch':>5} {'step median':>12} {'best':>6} {'ceiling median':>15} {'best':>6} {'tok/s':>7} "
+              f"{'ratio (median of rounds)':>25} {'best / best':>12}")
         for step in results["steps"]:
-            ms, best_ms = engine_step_ms(args.model, args.quantization, step["batch"], args.context)
-            ceiling_ms = step["ms"]["int8" if args.quantization == "int8" else step["best"]]
-            step["engine_ms"], step["engine_best_ms"] = ms, best_ms
-            print(f"{step['batch']:>5} {ms:>10.1f} {best_ms:>8.1f} {step['batch'] / ms * 1e3:>7.0f} "
-                  f"{ms / ceiling_ms:>17.2f} {best_ms / ceiling_ms:>15.2f}")
+            name = "int8" if args.quantization == "int8" else step["best"]
+            prepare, run = engines(cpu_has_native_bf16())[name]
+            states = [prepare(w) for w in weights]
+            x_dtype = torch.bfloat16 if "bf16" in name else torch.float32
+            inputs = {w.shape[1]: torch.randn(step["batch"], w.shape[1]).to(x_dtype) for w in weights}
+
+            def ceiling_step():
+                for w, state in zip(weights, states):
+                    run(inputs[w.shape[1]], state)
+
+            found = engine_against_ceiling(args.model, args.quantization, args.kv_cache_dtype, step["batch"],
+                                           args.context, ceiling_step)
+            del states
+            step["engine"] = found
+            print(f"{step['batch']:>5} {found['step_ms']:>12.1f} {found['step_best_ms']:>6.1f} "
+                  f"{found['ceiling_ms']:>15.1f} {found['ceiling_best_ms']:>6.1f} "
+                  f"{step['batch'] / found['step_ms'] * 1e3:>7.0f} {found['ratio']:>25.2f} {found['ratio_best']:>12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
