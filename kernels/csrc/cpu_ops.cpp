@@ -461,8 +461,8 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
 template <typename C>
 constexpr float kLoadUnit = std::is_same_v<C, c10::Float8_e4m3fn> ? 256.0f : 1.0f;  // value = load16 * this
 
-// exp(x) for 16 lanes with x <= 0 (scores less their maximum): Cephes' polynomial as in vexp_t,
-// with fused multiply-adds, and vscalefps applying 2^n (so no clamping: far below range gives 0).
+// exp(x) for 16 lanes: Cephes' polynomial as in vexp_t, with fused multiply-adds, and vscalefps
+// applying 2^n (so no clamping: far below the range gives 0, far above inf).
 inline __m512 exp16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -634,63 +634,169 @@ inline void pv_heads16(float* acc, const float* p, int64_t len, const T* v_cache
 }
 
 #if defined(__AVX512BF16__)
-// PV on bf16 caches as bf16 pairs: value rows t and t + 1 interleaved column by column
-// (vpunpck{l,h}wd), times the pair (p_t, p_t+1) rounded to bf16 (as torch's CPU flash attention
-// rounds its probabilities before multiplying V), with vdpbf16ps: half the instructions of
-// widening V and multiplying in fp32. The unpacks permute columns within each 128-bit lane (the
-// lo sums hold columns 0-3 of every 8, the hi sums 4-7); undone once, at the end.
-// acc[j][c0 .. c0 + 32 CH) = sum over keys t < len of p[t] * v[t] for NG heads; pairs [NG][pair_stride]
-// holds each head's (p_2k, p_2k+1) as bf16 pairs (p_len = 0 when len is odd); block_size is even.
-template <int NG, int CH>
-__attribute__((always_inline)) inline void pv_pairs_tile(float* acc, const uint32_t* pairs, int64_t pair_stride,
-                                                         int64_t len, const c10::BFloat16* v_cache,
-                                                         const int32_t* table, int64_t block_stride, int64_t head_off,
-                                                         int64_t block_size, int64_t d, int64_t c0) {
-  __m512 lo[NG][CH], hi[NG][CH];
-  for (int j = 0; j < NG; ++j)
-    for (int h = 0; h < CH; ++h) lo[j][h] = hi[j][h] = _mm512_setzero_ps();
-  auto step = [&](const c10::BFloat16* row, const c10::BFloat16* next_row, int64_t pair) {
-    __m512bh x_lo[CH], x_hi[CH];
+// PV as bf16 pairs: value rows t and t + 1 interleaved column by column (vpunpck{l,h}wd), times the
+// pair (p_t, p_t+1) rounded to bf16 (as torch's CPU flash attention rounds its probabilities
+// before multiplying V), with vdpbf16ps: half the instructions of widening V and multiplying in
+// fp32. The unpacks permute the columns within 128-bit lanes; a Rows policy undoes that once, at
+// the end. Rows: the cache's element type C, kCols columns per pass in kVecs pair vectors;
+// pairs(row, next_row or null, x) fills x; store(dst, sums) writes the kCols sums in column order.
+
+// bf16 caches, 32 CH columns: the lo pairs hold columns 0-3 of every 8, the hi pairs 4-7.
+template <int CH>
+struct Bf16Rows {
+  using C = c10::BFloat16;
+  static constexpr int kVecs = 2 * CH, kCols = 32 * CH;
+  __attribute__((always_inline)) void pairs(const C* row, const C* next_row, __m512bh (&x)[kVecs]) const {
     for (int h = 0; h < CH; ++h) {
       const __m512i a = _mm512_loadu_si512(row + h * 32);
       const __m512i b = next_row ? _mm512_loadu_si512(next_row + h * 32) : _mm512_setzero_si512();
-      x_lo[h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      x_hi[h] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      x[2 * h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      x[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
+  }
+  __attribute__((always_inline)) void store(float* dst, const __m512 (&a)[kVecs]) const {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < CH; ++h) {
+      _mm512_storeu_ps(dst + 32 * h, _mm512_permutex2var_ps(a[2 * h], first, a[2 * h + 1]));
+      _mm512_storeu_ps(dst + 32 * h + 16, _mm512_permutex2var_ps(a[2 * h], second, a[2 * h + 1]));
+    }
+  }
+};
+
+#if defined(__AVX512VBMI__)
+// e4m3fn -> bf16, 64 bytes at a time and exactly (every e4m3 value, subnormals included, is a
+// normal bf16): the byte's low 7 bits look up the bf16's high and low bytes in 128-entry tables
+// (vpermi2b reads only those 7 bits), the sign is or-ed back into the high byte. The words come
+// out in vpunpck{l,h}bw's order: first = bytes 0-7 of each 16, second = bytes 8-15.
+struct Fp8ToBf16 {
+  __m512i hi_a, hi_b, lo_a, lo_b;  // high / low bytes of codes 0-63 (a) and 64-127 (b)
+  Fp8ToBf16() {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int code = 0; code < 128; ++code) {
+      const float v = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits()));
+      const uint16_t bits = c10::BFloat16(v).x;  // exact: 3 mantissa bits
+      hi[code] = static_cast<uint8_t>(bits >> 8);
+      lo[code] = static_cast<uint8_t>(bits & 0xFF);
+    }
+    hi_a = _mm512_load_si512(hi), hi_b = _mm512_load_si512(hi + 64);
+    lo_a = _mm512_load_si512(lo), lo_b = _mm512_load_si512(lo + 64);
+  }
+  __attribute__((always_inline)) void convert(const c10::Float8_e4m3fn* p, __m512i& first, __m512i& second) const {
+    const __m512i x = _mm512_loadu_si512(p);
+    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(hi_a, x, hi_b),
+                                       _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0x80))));
+    const __m512i lo = _mm512_permutex2var_epi8(lo_a, x, lo_b);
+    first = _mm512_unpacklo_epi8(lo, hi);
+    second = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+inline const Fp8ToBf16& fp8_to_bf16() {
+  static const Fp8ToBf16 converter;
+  return converter;
+}
+
+// fp8 caches, 64 columns: pair vectors (first lo, first hi, second lo, second hi) hold, in 128-bit
+// lane L, columns 16 L + 0-3, 4-7, 8-11 and 12-15: a 4 x 4 transpose of 128-bit lanes restores them.
+struct Fp8Rows {
+  using C = c10::Float8_e4m3fn;
+  static constexpr int kVecs = 4, kCols = 64;
+  const Fp8ToBf16& cvt = fp8_to_bf16();
+  __attribute__((always_inline)) void pairs(const C* row, const C* next_row, __m512bh (&x)[kVecs]) const {
+    __m512i f0, s0, f1 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    cvt.convert(row, f0, s0);
+    if (next_row) cvt.convert(next_row, f1, s1);
+    x[0] = (__m512bh)_mm512_unpacklo_epi16(f0, f1);
+    x[1] = (__m512bh)_mm512_unpackhi_epi16(f0, f1);
+    x[2] = (__m512bh)_mm512_unpacklo_epi16(s0, s1);
+    x[3] = (__m512bh)_mm512_unpackhi_epi16(s0, s1);
+  }
+  __attribute__((always_inline)) void store(float* dst, const __m512 (&a)[kVecs]) const {
+    const __m512 t01 = _mm512_shuffle_f32x4(a[0], a[1], 0x44), t23 = _mm512_shuffle_f32x4(a[2], a[3], 0x44);
+    const __m512 u01 = _mm512_shuffle_f32x4(a[0], a[1], 0xEE), u23 = _mm512_shuffle_f32x4(a[2], a[3], 0xEE);
+    _mm512_storeu_ps(dst, _mm512_shuffle_f32x4(t01, t23, 0x88));
+    _mm512_storeu_ps(dst + 16, _mm512_shuffle_f32x4(t01, t23, 0xDD));
+    _mm512_storeu_ps(dst + 32, _mm512_shuffle_f32x4(u01, u23, 0x88));
+    _mm512_storeu_ps(dst + 48, _mm512_shuffle_f32x4(u01, u23, 0xDD));
+  }
+};
+
+// Fp8BF16Qk: bf16 heads against fp8 keys widened to bf16 (d a multiple of 64), vdpbf16ps. The
+// heads are stored permuted as the keys come out of Fp8ToBf16 (qp: [group, d]; fp8_qk_heads).
+struct Fp8Bf16Qk {
+  const c10::BFloat16* qp;
+  int64_t d;
+  float scale;
+  const Fp8ToBf16& cvt = fp8_to_bf16();
+  template <int NG, int R>
+  __attribute__((always_inline)) void tile(float* scores, int64_t len, int64_t g, const c10::Float8_e4m3fn* k) const {
+    __m512 a[NG][R];
+    for (int j = 0; j < NG; ++j)
+      for (int r = 0; r < R; ++r) a[j][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 64) {
+      __m512i first[R], second[R];
+      for (int r = 0; r < R; ++r) cvt.convert(k + r * d + c, first[r], second[r]);
+      for (int j = 0; j < NG; ++j) {
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + (g + j) * d + c);
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qp + (g + j) * d + c + 32);
+        for (int r = 0; r < R; ++r)
+          a[j][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[j][r], q0, (__m512bh)first[r]), q1, (__m512bh)second[r]);
+      }
+    }
+    store_scores<NG, R>(scores, len, a, scale);
+  }
+};
+
+// qp [group, d] = the heads with each 64 columns in Fp8ToBf16's order (bytes 0-7 of each 16, then 8-15).
+inline void fp8_qk_heads(c10::BFloat16* qp, const c10::BFloat16* heads, int64_t group, int64_t d) {
+  for (int64_t i = 0; i < group * d; i += 64) {
+    const __m512i q0 = _mm512_loadu_si512(heads + i), q1 = _mm512_loadu_si512(heads + i + 32);
+    _mm512_storeu_si512(qp + i, _mm512_shuffle_i64x2(q0, q1, 0x88));
+    _mm512_storeu_si512(qp + i + 32, _mm512_shuffle_i64x2(q0, q1, 0xDD));
+  }
+}
+#endif
+
+// acc[j][c0 .. c0 + kCols) = sum over keys t < len of p[t] * v[t] for NG heads; pairs [NG][pair_stride]
+// holds each head's (p_2k, p_2k+1) as bf16 pairs (p_len = 0 when len is odd); block_size is even.
+template <int NG, typename Rows>
+__attribute__((always_inline)) inline void pv_pairs_tile(const Rows& rows, float* acc, const uint32_t* pairs,
+                                                         int64_t pair_stride, int64_t len,
+                                                         const typename Rows::C* v_cache, const int32_t* table,
+                                                         int64_t block_stride, int64_t head_off, int64_t block_size,
+                                                         int64_t d, int64_t c0) {
+  constexpr int V = Rows::kVecs;
+  __m512 a[NG][V];
+  for (int j = 0; j < NG; ++j)
+    for (int h = 0; h < V; ++h) a[j][h] = _mm512_setzero_ps();
+  auto step = [&](const typename Rows::C* row, const typename Rows::C* next_row, int64_t pair) {
+    __m512bh x[V];
+    rows.pairs(row, next_row, x);
     for (int j = 0; j < NG; ++j) {
       const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j * pair_stride + pair]));
-      for (int h = 0; h < CH; ++h) {
-        lo[j][h] = _mm512_dpbf16_ps(lo[j][h], x_lo[h], pj);
-        hi[j][h] = _mm512_dpbf16_ps(hi[j][h], x_hi[h], pj);
-      }
+      for (int h = 0; h < V; ++h) a[j][h] = _mm512_dpbf16_ps(a[j][h], x[h], pj);
     }
   };
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const c10::BFloat16* v = v_cache + table[t0 / block_size] * block_stride + head_off + c0;
+    const typename Rows::C* v = v_cache + table[t0 / block_size] * block_stride + head_off + c0;
     const int64_t n = std::min(block_size, len - t0);
     int64_t i = 0;
     for (; i + 2 <= n; i += 2) step(v + i * d, v + (i + 1) * d, (t0 + i) / 2);
     if (i < n) step(v + i * d, nullptr, (t0 + i) / 2);  // the last key, paired with p_len = 0
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int j = 0; j < NG; ++j)
-    for (int h = 0; h < CH; ++h) {
-      float* dst = acc + j * d + c0 + h * 32;
-      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo[j][h], first, hi[j][h]));
-      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo[j][h], second, hi[j][h]));
-    }
+  for (int j = 0; j < NG; ++j) rows.store(acc + j * d + c0, a[j]);
 }
 
-template <int CH>
-inline void pv_pairs_heads(float* acc, const uint32_t* pairs, int64_t pair_stride, int64_t len,
-                           const c10::BFloat16* v_cache, const int32_t* table, int64_t block_stride,
+template <typename Rows>
+inline void pv_pairs_heads(const Rows& rows, float* acc, const uint32_t* pairs, int64_t pair_stride, int64_t len,
+                           const typename Rows::C* v_cache, const int32_t* table, int64_t block_stride,
                            int64_t head_off, int64_t block_size, int64_t d, int64_t c0, int64_t ng) {
   switch (ng) {
-    case 1: return pv_pairs_tile<1, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
-    case 2: return pv_pairs_tile<2, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
-    case 3: return pv_pairs_tile<3, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
-    default: return pv_pairs_tile<4, CH>(acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    case 1: return pv_pairs_tile<1>(rows, acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    case 2: return pv_pairs_tile<2>(rows, acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    case 3: return pv_pairs_tile<3>(rows, acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
+    default: return pv_pairs_tile<4>(rows, acc, pairs, pair_stride, len, v_cache, table, block_stride, head_off, block_size, d, c0);
   }
 }
 
@@ -749,6 +855,15 @@ void attend_one_avx512(T* out, const T* query, const C* k_cache, const C* v_cach
       qk_blocks(Bf16Qk{heads, d, scale});
       done = true;
     }
+#if defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::Float8_e4m3fn>)
+    if (d % 64 == 0) {
+      c10::BFloat16* qp = reinterpret_cast<c10::BFloat16*>(q);  // [group, d] bf16 in q's room
+      fp8_qk_heads(qp, heads, group, d);
+      qk_blocks(Fp8Bf16Qk{qp, d, scale});
+      done = true;
+    }
+#endif
 #endif
   if (!done) {
     for (int64_t i = 0; i < group * d; ++i) q[i] = to_f(heads[i]);
@@ -759,25 +874,30 @@ void attend_one_avx512(T* out, const T* query, const C* k_cache, const C* v_cach
     float* s = scores + g * len;
     sums[g] = exp_shifted16(s, len, max_of(s, len));
   }
-  bool chunks_done = false;  // V summed by the bf16-pair path
+  bool chunks_done = false;  // V summed by the bf16-pair path (which widens V exactly)
+  float v_unit = kLoadUnit<C>;  // acc's unit: load16's
   const int64_t chunks = d / kLanesWide;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<C, c10::BFloat16>)
-    if (d % 32 == 0 && block_size % 2 == 0) {
-      for (int64_t g = 0; g < group; ++g)
-        to_bf16_pairs(reinterpret_cast<uint16_t*>(pairs + g * pair_stride), scores + g * len, len);
-      for (int64_t g = 0; g < group; g += 4) {
-        const int64_t ng = std::min<int64_t>(4, group - g);
-        int64_t c = 0;
-        for (; c + 64 <= d; c += 64)
-          pv_pairs_heads<2>(acc + g * d, pairs + g * pair_stride, pair_stride, len, v_cache, table, block_stride,
-                            kvh * run, block_size, d, c, ng);
-        if (c < d)
-          pv_pairs_heads<1>(acc + g * d, pairs + g * pair_stride, pair_stride, len, v_cache, table, block_stride,
-                            kvh * run, block_size, d, c, ng);
-      }
-      chunks_done = true;
+  auto pv_pairs = [&](const auto& rows) {  // every column in passes of rows.kCols (d a multiple of it)
+    for (int64_t g = 0; g < group; ++g)
+      to_bf16_pairs(reinterpret_cast<uint16_t*>(pairs + g * pair_stride), scores + g * len, len);
+    for (int64_t g = 0; g < group; g += 4)
+      for (int64_t c = 0; c < d; c += rows.kCols)
+        pv_pairs_heads(rows, acc + g * d, pairs + g * pair_stride, pair_stride, len, v_cache, table, block_stride,
+                       kvh * run, block_size, d, c, std::min<int64_t>(4, group - g));
+    chunks_done = true;
+    v_unit = 1.0f;
+  };
+  if (std::is_same_v<T, c10::BFloat16> && block_size % 2 == 0) {  // probabilities in bf16: bf16 models only
+    if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      if (d % 64 == 0) pv_pairs(Bf16Rows<2>{});
+      else if (d % 32 == 0) pv_pairs(Bf16Rows<1>{});
     }
+#if defined(__AVX512VBMI__)
+    if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>)
+      if (d % 64 == 0) pv_pairs(Fp8Rows{});
+#endif
+  }
 #endif
   for (int64_t g = 0; g < group && !chunks_done; g += 4) {
     const int64_t ng = std::min<int64_t>(4, group - g);
@@ -790,7 +910,7 @@ void attend_one_avx512(T* out, const T* query, const C* k_cache, const C* v_cach
                     c * kLanesWide, ng);
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv_sum = kLoadUnit<C> / sums[g];
+    const float inv_sum = v_unit / sums[g];
     T* dst = out + (kvh * group + g) * d;
     for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(acc[g * d + c] * inv_sum);
   }
@@ -1091,6 +1211,16 @@ Tensor attention_block(Tensor qkv, const Tensor& positions, const c10::optional<
 
 // ---- activations ----------------------------------------------------------------------
 
+// exp of 16 lanes: with fused multiply-adds and vscalefps where the target has AVX-512 (exp16),
+// else the generic polynomial (-ffp-contract=off keeps it unfused).
+inline vf16 exp_wide(vf16 x) {
+#if defined(__AVX512F__)
+  return exp16(x);
+#else
+  return vexp16(x);
+#endif
+}
+
 // x: [num_tokens, 2 * d] = gate | up -> out [num_tokens, d] = silu(gate) * up, silu rounded to
 // the dtype first (as F.silu(gate) * up).
 template <typename T>
@@ -1099,7 +1229,7 @@ void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t d, float* buf)
     int64_t k = 0;
     for (; k + kLanesWide <= d; k += kLanesWide) {
       const vf16 g = load16f(gate + k);
-      store16(out + k, round16<T>(round16<T>(g / (1.0f + vexp16(-g))) * load16f(up + k)));
+      store16(out + k, round16<T>(round16<T>(g / (1.0f + exp_wide(-g))) * load16f(up + k)));
     }
     for (; k < d; ++k) {
       const float g = to_f(gate[k]);
