@@ -21,6 +21,10 @@ batch is the "fraction of the ceiling" the performance targets speak of.
     python bench/ceiling.py --batch-sizes 1,32 --json ceiling.json
     python bench/ceiling.py --engine           # also Tandem's own decode step: its ratio to the ceiling
     python bench/ceiling.py --engine --quantization int8
+    python bench/ceiling.py --batch-sizes 32,64 --engine --kv-cache-dtype fp8
+
+With ``--engine`` the step and the best engine's matmuls are timed in alternating rounds in one
+process (engine_against_ceiling), so the machine's drift cancels out of their ratio.
 """
 
 from __future__ import annotations

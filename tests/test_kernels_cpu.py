@@ -43,6 +43,27 @@ def _batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     return query, k_cache, v_cache, block_tables
 
 
+def reference_and_fused_attention(query, k_cache, v_cache, block_tables, query_lens, seq_lens, block_size,
+                                  scale):
+    """(reference, fused) paged attention over the caches; the reference reads a fresh prefill's
+    K/V from its key/value arguments, so they are given the cache's own rows."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    key = torch.empty(query.shape[0], num_kv_heads, head_dim, dtype=k_cache.dtype)
+    value = torch.empty_like(key)
+    row = 0
+    for q_len, s, table in zip(query_lens, seq_lens, block_tables.tolist()):
+        for p in range(s - q_len, s):
+            key[row] = k_cache[table[p // block_size], :, p % block_size]
+            value[row] = v_cache[table[p // block_size], :, p % block_size]
+            row += 1
+    plan = reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
+    expected = reference.paged_attention(query, key, value, k_cache, v_cache, plan, scale)
+    starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    got = cpu.paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32),
+                              torch.tensor(seq_lens, dtype=torch.int32), starts, scale)
+    return expected, got
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("head_dim", [8, 16, 64])  # each path: 8 lanes, 16 lanes, 32-wide bf16 pairs
@@ -53,21 +74,9 @@ def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads, head_
     block_size = 8
     query, k_cache, v_cache, block_tables = _batch(query_lens, seq_lens, num_heads, num_kv_heads,
                                                    head_dim, block_size, dtype)
-    # The reference reads this step's K/V of a fresh prefill from key/value: give it the cache's.
-    key = torch.empty(query.shape[0], num_kv_heads, head_dim, dtype=dtype)
-    value = torch.empty_like(key)
-    row = 0
-    for q_len, s, table in zip(query_lens, seq_lens, block_tables.tolist()):
-        for p in range(s - q_len, s):
-            key[row] = k_cache[table[p // block_size], :, p % block_size]
-            value[row] = v_cache[table[p // block_size], :, p % block_size]
-            row += 1
     scale = head_dim ** -0.5
-    plan = reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
-    expected = reference.paged_attention(query, key, value, k_cache, v_cache, plan, scale)
-    starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-    got = cpu.paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32),
-                              torch.tensor(seq_lens, dtype=torch.int32), starts, scale)
+    expected, got = reference_and_fused_attention(query, k_cache, v_cache, block_tables, query_lens, seq_lens,
+                                                  block_size, scale)
     torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
 
 

@@ -17,7 +17,7 @@ from backend.errors import InvalidRequestError
 from backend.request import SamplingParams
 from kernels import reference
 from test_correctness import make_engine, random_prompts, run_engine
-from test_kernels_cpu import TOL, _batch
+from test_kernels_cpu import TOL, _batch, reference_and_fused_attention
 
 FP8 = torch.float8_e4m3fn
 
@@ -25,6 +25,15 @@ FP8 = torch.float8_e4m3fn
 def test_unknown_kv_cache_dtypes_are_refused():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of auto, fp8") as info:
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+    assert info.value.param == "kv_cache_dtype"
+
+
+def test_fp8_caches_are_refused_on_cuda(tiny_checkpoint, monkeypatch):
+    """The Triton kernels read caches in the model's dtype only: refused before a model loads."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), device="cuda", kv_cache_dtype="fp8")
+    with pytest.raises(InvalidRequestError, match="implemented for the CPU") as info:
+        config.resolve()
     assert info.value.param == "kv_cache_dtype"
 
 
@@ -50,20 +59,8 @@ def test_paged_attention_on_fp8_caches_matches_reference(dtype, head_dim):
     query, k_cache, v_cache, tables = _batch(query_lens, seq_lens, 9, 3, head_dim, block_size, dtype)
     k_cache = reference.to_cache_dtype(k_cache * 40, FP8)  # subnormals to beyond +-448
     v_cache = reference.to_cache_dtype(v_cache, FP8)
-    key = torch.empty(query.shape[0], 3, head_dim, dtype=FP8)  # the reference's fresh-prefill K/V
-    value = torch.empty_like(key)
-    row = 0
-    for q_len, s, table in zip(query_lens, seq_lens, tables.tolist()):
-        for p in range(s - q_len, s):
-            key[row], value[row] = k_cache[table[p // block_size], :, p % block_size], \
-                v_cache[table[p // block_size], :, p % block_size]
-            row += 1
-    scale = head_dim ** -0.5 / 40
-    plan = reference.plan_attention(tables, seq_lens, query_lens, block_size)
-    expected = reference.paged_attention(query, key, value, k_cache, v_cache, plan, scale)
-    starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-    got = cpu.paged_attention(query, k_cache, v_cache, tables.to(torch.int32),
-                              torch.tensor(seq_lens, dtype=torch.int32), starts, scale)
+    expected, got = reference_and_fused_attention(query, k_cache, v_cache, tables, query_lens, seq_lens,
+                                                  block_size, head_dim ** -0.5 / 40)
     torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
 
 
