@@ -67,11 +67,11 @@ def reference_and_fused_attention(query, k_cache, v_cache, block_tables, query_l
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("head_dim", [8, 16, 64])  # each path: 8 lanes, 16 lanes, 32-wide bf16 pairs
-def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("block_size", [8, 5])  # PV pairs rows within a block: odd sizes take the other path
+def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     # decode, decode across a block boundary, a prefill from nothing, a chunk after a prefix hit
     query_lens = [1, 1, 7, 5, 1]
     seq_lens = [9, 17, 7, 21, 33]
-    block_size = 8
     query, k_cache, v_cache, block_tables = _batch(query_lens, seq_lens, num_heads, num_kv_heads,
                                                    head_dim, block_size, dtype)
     scale = head_dim ** -0.5

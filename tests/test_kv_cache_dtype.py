@@ -53,9 +53,10 @@ def test_fp8_cache_writes_match_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [8, 64])  # the 8-lane path (a table) and the 16-lane one (bit tricks)
-def test_paged_attention_on_fp8_caches_matches_reference(dtype, head_dim):
-    query_lens, seq_lens, block_size = [1, 1, 7, 5, 1], [9, 17, 7, 21, 33], 8
+@pytest.mark.parametrize("head_dim", [8, 64])  # the 8-lane path (a table), the 16-lane ones (bit tricks, bf16 pairs)
+@pytest.mark.parametrize("block_size", [8, 5])
+def test_paged_attention_on_fp8_caches_matches_reference(dtype, head_dim, block_size):
+    query_lens, seq_lens = [1, 1, 7, 5, 1], [9, 17, 7, 21, 33]
     query, k_cache, v_cache, tables = _batch(query_lens, seq_lens, 9, 3, head_dim, block_size, dtype)
     k_cache = reference.to_cache_dtype(k_cache * 40, FP8)  # subnormals to beyond +-448
     v_cache = reference.to_cache_dtype(v_cache, FP8)
