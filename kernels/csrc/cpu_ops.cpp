@@ -189,11 +189,16 @@ inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_
   }
 }
 
+// The value of the e4m3fn byte with these bits (c10's conversion): what the fp8 tables hold.
+inline float fp8_value(int bits) {
+  return static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+}
+
 // Every e4m3fn byte's value (NaN bytes included): the generic path's fp8 -> float conversion.
 struct Fp8Table {
   float value[256];
   Fp8Table() {
-    for (int b = 0; b < 256; ++b) value[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    for (int b = 0; b < 256; ++b) value[b] = fp8_value(b);
   }
 };
 
@@ -674,8 +679,7 @@ struct Fp8ToBf16 {
   Fp8ToBf16() {
     alignas(64) uint8_t hi[128], lo[128];
     for (int code = 0; code < 128; ++code) {
-      const float v = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits()));
-      const uint16_t bits = c10::BFloat16(v).x;  // exact: 3 mantissa bits
+      const uint16_t bits = c10::BFloat16(fp8_value(code)).x;  // exact: 3 mantissa bits
       hi[code] = static_cast<uint8_t>(bits >> 8);
       lo[code] = static_cast<uint8_t>(bits & 0xFF);
     }
