@@ -1,4 +1,4 @@
-"""The weights of a CPU model on 2 MB pages (Linux transparent huge pages), once they are loaded.
+"""A CPU model's weights and KV cache on 2 MB pages (Linux transparent huge pages).
 
 A batch-1 decode step streams every weight once. On 4 KB pages each page is a TLB miss and the
 hardware prefetchers stop at each page's end; on 2 MB pages the 2-core CPU's batch-1 step took
@@ -7,6 +7,12 @@ weights are opaque tensors (no data pointer), so instead of placing tensors this
 process's large anonymous mappings, where the weights live, with ``MADV_COLLAPSE`` (Linux 6.1+):
 what is populated now moves, later faults keep 4 KB pages (so memory that grows under traffic
 grows as before). Elsewhere (THP ``never``, older kernels, not Linux) it does nothing.
+
+The KV cache is asked for 2 MB pages before it is first written (``MADV_HUGEPAGE``): attention
+reads each sequence's blocks, 2 KB runs that churn scatters over a cache of up to gigabytes, and on
+4 KB pages nearly every run is a TLB miss (batch-32 attention, 200 tokens each, blocks scattered
+over 24 MB per layer: 8.8 ms on 4 KB pages, 6.4 ms on 2 MB ones; with each sequence's blocks
+adjacent, as in a fresh engine, the same within noise).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import ctypes
 import ctypes.util
 import sys
 
+MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -48,20 +55,38 @@ def large_anonymous_mappings(min_bytes: int) -> list[tuple[int, int]]:
     return spans
 
 
+def _madvise():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def _whole_huge_pages(start: int, end: int) -> tuple[int, int]:
+    """The 2 MB-aligned part [first, last) of [start, end); empty when last <= first."""
+    return -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+
+
+def advise_huge_pages(start: int, nbytes: int) -> bool:
+    """Ask for 2 MB pages under the memory [start, start + nbytes) where it is not yet touched
+    (the aligned 2 MB pages inside it, faulted later); True if the kernel took the advice."""
+    if not huge_pages_enabled():
+        return False
+    first, last = _whole_huge_pages(start, start + nbytes)
+    return last > first and _madvise()(first, last - first, MADV_HUGEPAGE) == 0
+
+
 def collapse_large_mappings(min_bytes: int = 4 << 20) -> int:
     """Move the populated parts of every large anonymous mapping onto 2 MB pages; returns the bytes
     of the mappings that the kernel collapsed (0 where huge pages are unavailable). Best effort:
     a range the kernel cannot collapse (memory pressure, a page in use elsewhere) stays as it is."""
     if not huge_pages_enabled():
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = _madvise()
     collapsed = 0
     for start, end in large_anonymous_mappings(min_bytes):
-        first = -(-start // HUGE_PAGE) * HUGE_PAGE  # whole 2 MB pages inside the mapping only
-        last = end // HUGE_PAGE * HUGE_PAGE
+        first, last = _whole_huge_pages(start, end)  # whole 2 MB pages inside the mapping only
         if last <= first:
             continue
-        if libc.madvise(first, last - first, MADV_COLLAPSE) == 0:
+        if madvise(first, last - first, MADV_COLLAPSE) == 0:
             collapsed += last - first
     return collapsed

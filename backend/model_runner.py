@@ -16,7 +16,7 @@ import kernels
 from backend import cuda_graphs
 from backend.config import EngineConfig
 from backend.distributed import get_parallel_state, pp_recv, pp_send
-from backend.huge_pages import collapse_large_mappings
+from backend.huge_pages import advise_huge_pages, collapse_large_mappings
 from backend.models.attention import Attention, AttentionMetadata
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
@@ -129,10 +129,16 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = kernels.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            kv = (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            kv = (self._zeroed_cache(shape), self._zeroed_cache(shape))
             layer.kv_cache = kv
             self.kv_caches.append(kv)
+
+    def _zeroed_cache(self, shape) -> torch.Tensor:
+        """One layer's K or V cache, zeroed; on the CPU on 2 MB pages (see backend.huge_pages)."""
+        cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        if self.device.type == "cpu":
+            advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
+        return cache.zero_()
 
     def _cuda_kv_budget(self) -> float:
         """Bytes left for the KV cache: gpu_memory_utilization of the device's memory, less
