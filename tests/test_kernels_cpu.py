@@ -80,6 +80,23 @@ def test_paged_attention_matches_reference(dtype, num_heads, num_kv_heads, head_
     torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [2, 24])
+def test_paged_attention_shares_out_work_either_way(dtype, num_tokens):
+    """Decode batches of a few tokens (an item per KV head) and of many (an item per token, its KV
+    heads read block by block), on one thread and on two, agree with the reference."""
+    query_lens, seq_lens = [1] * num_tokens, [40 + 7 * i for i in range(num_tokens)]
+    batch = _batch(query_lens, seq_lens, 9, 3, 64, 16, dtype, seed=num_tokens)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            expected, got = reference_and_fused_attention(*batch, query_lens, seq_lens, 16, 0.125)
+            torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_reads_strided_query_rows():
     """q as a view into a fused QKV output (rows strided) gives the same result."""
     query, k_cache, v_cache, tables = _batch([1, 1], [5, 12], 4, 2, 8, 4, torch.float32)
