@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from backend.traced_graph import TracedGraph, trace_ops
+from backend.traced_graph import TracedGraph, script, trace_ops
 from test_correctness import GREEDY, hf_greedy, make_engine, random_prompts, run_engine
 
 
@@ -15,8 +15,10 @@ def call_targets(module):
     return [node.target for node in module.graph.nodes if node.op == "call_function"]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @torch.inference_mode()
-def test_replay_reads_the_refilled_buffers_and_repeats_in_place_ops():
+def test_replay_reads_the_refilled_buffers_and_repeats_in_place_ops(compiled):
+    """The recorded module, and the same ops compiled to TorchScript (what replays run)."""
     x = torch.zeros(3, 4)  # persistent input, refilled between replays
     weight = torch.randn(4, 4)
     total = torch.zeros(3)  # accumulates over calls: in-place ops must be replayed, not folded
@@ -34,6 +36,9 @@ def test_replay_reads_the_refilled_buffers_and_repeats_in_place_ops():
         return top.values + top.indices[:, :1], top.values.sum(dim=1)
 
     module = trace_ops(step)
+    if compiled:
+        module = script(module)
+        assert isinstance(module, torch.jit.ScriptModule)
     expected_total = eager(x)[1]
     for _ in range(3):
         x.copy_(torch.randn(3, 4))
@@ -73,6 +78,8 @@ def test_engine_decode_steps_replay_traced_graphs_and_match_hf_greedy(tiny_check
     assert run_engine(engine, prompts, GREEDY) == expected
     assert run_engine(engine, prompts[:3], GREEDY) == expected[:3]
     assert run_engine(engine, prompts[4:], GREEDY) == expected[4:]
+    graph = runner.graphs.graphs[5]
+    assert isinstance(graph.compiled, torch.jit.ScriptModule)  # replays run no Python between ops
     replays = {size: g.num_replays for size, g in runner.graphs.graphs.items()}
     assert replays[5] > 0 and replays[3] > 0 and replays[1] > 0
     # A graph's ops are the fused kernels' and a few views, not the model's Python.
