@@ -4,8 +4,8 @@ On the CPU a batch-1 decode step of the default model spends ~3 ms of ~21 in Pyt
 calls, the kernels' dispatch by device, launchers, argument parsing. ``trace_ops(fn)`` runs ``fn``
 once under a ``TorchDispatchMode`` that writes every op reaching the dispatcher into a
 ``torch.fx.Graph``; the resulting ``GraphModule`` replays the same ops, in the same order, with
-the same arguments, as one flat generated function, which ``script`` compiles to TorchScript so
-that a replay runs no Python between the ops::
+the same arguments, as one flat generated function; ``compile_replay`` writes the same ops as
+TorchScript, so that a replay runs no Python between them::
 
     eager    LlamaModel -> layer -> self_attn -> qkv_proj -> method.apply -> kernels.cpu -> op
     traced   w8a8_linear = torch.ops.tandem_cpu.w8a8_linear.default(rms_norm, constant3, ...)
@@ -19,9 +19,9 @@ Python values (shapes, scalars, branches taken) are frozen at capture. Ops run i
 
 from __future__ import annotations
 
-import copy
+import functools
+import math
 import operator
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -78,27 +78,71 @@ def trace_ops(fn: Callable[[], None]) -> fx.GraphModule:
     return fx.GraphModule(recorder.constants, recorder.graph)
 
 
-def script(module: fx.GraphModule) -> Callable[[], None]:
-    """``module``'s ops compiled to TorchScript: a call runs them in TorchScript's interpreter, with
-    no Python between the ops (the generated function spends ~6 us of Python and argument
-    conversion per op: ~1.4 ms of a batch-32 step's 246). Each op is named by its packet
-    (``torch.ops.aten.slice``), which TorchScript resolves to the recorded overload at compile.
-    TorchScript is deprecated (torch 2.13 warns, and still compiles): where it fails, ``module``."""
-    graph = copy.deepcopy(module.graph)
-    for node in graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            node.target = node.target.overloadpacket
-    with warnings.catch_warnings():  # the deprecation, and GraphModule's untyped attributes
-        warnings.simplefilter("ignore")
-        try:
-            return torch.jit.script(fx.GraphModule(module, graph))
-        except Exception:  # noqa: BLE001 - any failure to compile leaves the recorded module
-            return module
+def _literal(value: Any, names: dict) -> str:
+    """TorchScript source for an op argument: a node's variable, or a constant written out."""
+    if isinstance(value, fx.Node):
+        return names[value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return repr(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)  # the shortest text that reads back as the same double
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal(item, names) for item in value) + "]"
+    raise TypeError(f"no TorchScript literal for {type(value).__name__}")
+
+
+def torchscript_source(module: fx.GraphModule) -> tuple[str, list[torch.Tensor]]:
+    """``module``'s ops as the TorchScript function ``replay(c: List[Tensor])``, and the tensors it
+    reads from outside (``c``). Each op is called by its packet (``torch.ops.aten.slice``), which
+    TorchScript resolves to the recorded overload when it compiles. The source names no tensor, so
+    graphs of the same shapes share it (and its compilation)."""
+    constants: list[torch.Tensor] = []
+    names: dict[fx.Node, str] = {}
+    lines = ["def replay(c: List[Tensor]):"]
+    for i, node in enumerate(module.graph.nodes):
+        if node.op == "get_attr":
+            names[node] = f"c[{len(constants)}]"
+            constants.append(getattr(module, node.target))
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                expr = f"{names[node.args[0]]}[{int(node.args[1])}]"
+            else:
+                packet = node.target.overloadpacket  # an OpOverload: _OpRecorder records no other
+                args = [_literal(a, names) for a in node.args]
+                args += [f"{key}={_literal(a, names)}" for key, a in node.kwargs.items()]
+                expr = f"torch.ops.{packet._qualified_op_name.replace('::', '.')}({', '.join(args)})"
+            names[node] = f"v{i}"
+            lines.append(f"    v{i} = {expr}")
+    lines.append("    return None")
+    return "\n".join(lines) + "\n", constants
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(source: str) -> torch.jit.CompilationUnit:
+    return torch.jit.CompilationUnit(source)
+
+
+def compile_replay(module: fx.GraphModule) -> Callable[[], None]:
+    """A call that runs ``module``'s ops in TorchScript's interpreter, with no Python between them:
+    the generated function of ``module`` spends ~6 us of Python and argument conversion per op
+    (~1.4 ms of a batch-32 step's 246 ops); compiling takes ~40 ms for the default model's graph.
+    Where the graph holds an argument TorchScript cannot write, or does not compile: ``module``."""
+    try:
+        source, constants = torchscript_source(module)
+        unit = _compile(source)
+    except (TypeError, RuntimeError, AttributeError):
+        return module
+
+    def replay() -> None:
+        with torch.jit.optimized_execution(False):  # the ops as recorded: no profiling, no fusion
+            unit.replay(constants)
+
+    return replay
 
 
 class TracedGraph:
     """``DecodeGraphs``' graph on the CPU: capture records ``fn``'s ops (running it) into
-    ``module``, replay runs them compiled (``script``)."""
+    ``module``; replay runs them compiled (``compile_replay``)."""
 
     def __init__(self, pool=None) -> None:
         self.module: fx.GraphModule | None = None
@@ -107,9 +151,8 @@ class TracedGraph:
 
     def capture(self, fn: Callable[[], None]) -> None:
         self.module = trace_ops(fn)
-        self.compiled = script(self.module)
+        self.compiled = compile_replay(self.module)
 
     def replay(self) -> None:
         self.num_replays += 1
-        with torch.jit.optimized_execution(False):  # the ops as recorded: no profiling, no fusion
-            self.compiled()
+        self.compiled()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from backend.traced_graph import TracedGraph, script, trace_ops
+from backend.traced_graph import TracedGraph, compile_replay, torchscript_source, trace_ops
 from test_correctness import GREEDY, hf_greedy, make_engine, random_prompts, run_engine
 
 
@@ -37,8 +37,8 @@ def test_replay_reads_the_refilled_buffers_and_repeats_in_place_ops(compiled):
 
     module = trace_ops(step)
     if compiled:
-        module = script(module)
-        assert isinstance(module, torch.jit.ScriptModule)
+        recorded, module = module, compile_replay(module)
+        assert module is not recorded  # compiled, not the fallback
     expected_total = eager(x)[1]
     for _ in range(3):
         x.copy_(torch.randn(3, 4))
@@ -78,8 +78,7 @@ def test_engine_decode_steps_replay_traced_graphs_and_match_hf_greedy(tiny_check
     assert run_engine(engine, prompts, GREEDY) == expected
     assert run_engine(engine, prompts[:3], GREEDY) == expected[:3]
     assert run_engine(engine, prompts[4:], GREEDY) == expected[4:]
-    graph = runner.graphs.graphs[5]
-    assert isinstance(graph.compiled, torch.jit.ScriptModule)  # replays run no Python between ops
+    assert all(g.compiled is not g.module for g in runner.graphs.graphs.values())  # TorchScript replays
     replays = {size: g.num_replays for size, g in runner.graphs.graphs.items()}
     assert replays[5] > 0 and replays[3] > 0 and replays[1] > 0
     # A graph's ops are the fused kernels' and a few views, not the model's Python.
@@ -89,3 +88,15 @@ def test_engine_decode_steps_replay_traced_graphs_and_match_hf_greedy(tiny_check
 
 def test_enforce_eager_leaves_cpu_steps_eager(tiny_checkpoint):
     assert make_engine(tiny_checkpoint("llama"), enforce_eager=True).executor.worker.runner.graphs is None
+
+
+def test_the_torchscript_source_names_no_tensor_and_falls_back_where_it_cannot_write_an_argument():
+    x, y = torch.zeros(2), torch.ones(2)
+    first = trace_ops(lambda: x.add_(y, alpha=2.5))
+    source, constants = torchscript_source(first)
+    assert "torch.ops.aten.add_(c[0], c[1], alpha=2.5)" in source
+    assert constants[0] is x and constants[1] is y
+    z = torch.zeros(2)
+    assert torchscript_source(trace_ops(lambda: z.add_(y, alpha=2.5)))[0] == source  # shared compilation
+    odd = trace_ops(lambda: x.add_(y, alpha=float("nan")))  # no literal for a NaN: the recorded module
+    assert compile_replay(odd) is odd
