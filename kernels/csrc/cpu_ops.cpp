@@ -886,10 +886,12 @@ void attend_one_avx512(T* out, const T* query, const C* k_cache, const C* v_cach
     float* s = scores + g * len;
     sums[g] = exp_shifted16(s, len, max_of(s, len));
   }
-  // pv(h, g, ng): V of the item's h-th KV head into query heads [g, g + ng) of the item.
+  // pv(head_off, g, ng) for every 4 query heads [g, g + ng) of the item: V at head_off inside a block
+  // (their KV head's run) into them.
   auto for_each_head_tile = [&](const auto& pv) {
     for (int64_t h = 0; h < kvh1 - kvh0; ++h)
-      for (int64_t g = h * group; g < (h + 1) * group; g += 4) pv((kvh0 + h) * run, g, std::min<int64_t>(4, (h + 1) * group - g));
+      for (int64_t g = h * group; g < (h + 1) * group; g += 4)
+        pv((kvh0 + h) * run, g, std::min<int64_t>(4, (h + 1) * group - g));
   };
   bool chunks_done = false;  // V summed by the bf16-pair path (which widens V exactly)
   float v_unit = kLoadUnit<C>;  // acc's unit: load16's
