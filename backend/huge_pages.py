@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 MADV_HUGEPAGE = 14
@@ -55,7 +56,9 @@ def large_anonymous_mappings(min_bytes: int) -> list[tuple[int, int]]:
     return spans
 
 
+@functools.cache
 def _madvise():
+    """libc's madvise (loaded once: the KV cache advises each layer's K and V)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise
