@@ -24,7 +24,10 @@ batch is the "fraction of the ceiling" the performance targets speak of.
     python bench/ceiling.py --batch-sizes 32,64 --engine --kv-cache-dtype fp8
 
 With ``--engine`` the step and the best engine's matmuls are timed in alternating rounds in one
-process (engine_against_ceiling), so the machine's drift cancels out of their ratio.
+process (engine_against_ceiling), so the machine's drift cancels out of their ratio. It also gives
+the bytes of K and V the step's attention reads, and the ratio a step would reach if it added to
+the matmuls only those bytes at the measured bandwidth ("ratio floor"): where attention is bound
+by memory, no kernel gets below it without a smaller cache (``--kv-cache-dtype fp8``).
 """
 
 from __future__ import annotations
@@ -112,13 +115,22 @@ def engines(dtype_bf16: bool):
     return out
 
 
+def kv_bytes_per_token(config) -> int:
+    """Bytes of K and V that attention reads for one cached token, over all layers."""
+    c = config.hf_config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * getattr(torch, config.kv_cache_dtype_name).itemsize
+
+
 def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int, context: int,
                            ceiling_step, rounds: int = 8, steps: int = 4) -> dict:
     """Tandem's decode step at ``batch`` sequences of ~``context`` cached tokens, and the ceiling's
     matmul step (``ceiling_step()``), timed in alternating rounds in one process: the machine's
     speed drifts (up to 2x within minutes here), and a ratio of two figures taken minutes apart
     carries that drift. Each round: the ceiling's best of 3, then ``steps`` engine steps.
-    Returns medians and bests of the step, the ceiling and their per-round ratio."""
+    Returns medians and bests of the step, the ceiling and their per-round ratio, and the mean bytes
+    of K and V a step's attention reads (``kv_mb``)."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.request import SamplingParams
@@ -135,11 +147,12 @@ def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int,
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()  # prefill everyone first
     engine.step()
-    step_times, ceiling_times, ratios = [], [], []
+    step_times, ceiling_times, ratios, cached = [], [], [], []
     for _ in range(rounds):
         ceiling = best_time(ceiling_step, 3, 0.0)
         times = []
         for _ in range(steps):
+            cached.append(sum(r.num_computed_tokens + 1 for r in engine.scheduler.running))
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
@@ -149,7 +162,8 @@ def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int,
     engine.shutdown()
     return {"step_ms": median_high(step_times) * 1e3, "step_best_ms": min(step_times) * 1e3,
             "ceiling_ms": median_high(ceiling_times) * 1e3, "ceiling_best_ms": min(ceiling_times) * 1e3,
-            "ratio": median_high(ratios), "ratio_best": min(step_times) / min(ceiling_times)}
+            "ratio": median_high(ratios), "ratio_best": min(step_times) / min(ceiling_times),
+            "kv_mb": sum(cached) / len(cached) * kv_bytes_per_token(config) / 1e6}
 
 
 def main() -> None:
@@ -212,8 +226,10 @@ def main() -> None:
         print(f"\nTandem's decode step ({args.quantization or config.torch_dtype_name} weights, KV cache "
               f"{args.kv_cache_dtype}, {args.context} tokens cached per sequence) and the ceiling's matmul step, "
               f"timed in alternating rounds: ms, and the step's ratio to the ceiling (target <= 1.4 at batch 32)")
+        print("(KV MB: what a step's attention reads; ratio floor: (ceiling + those bytes at the measured "
+              "bandwidth) / ceiling, the best ratio a step could reach)")
         print(f"{'batch':>5} {'step median':>12} {'best':>6} {'ceiling median':>15} {'best':>6} {'tok/s':>7} "
-              f"{'ratio (median of rounds)':>25} {'best / best':>12}")
+              f"{'ratio (median of rounds)':>25} {'best / best':>12} {'KV MB':>7} {'ratio floor':>12}")
         for step in results["steps"]:
             name = "int8" if args.quantization == "int8" else step["best"]
             prepare, run = engines(cpu_has_native_bf16())[name]
@@ -231,7 +247,8 @@ def main() -> None:
             step["engine"] = found
             print(f"{step['batch']:>5} {found['step_ms']:>12.1f} {found['step_best_ms']:>6.1f} "
                   f"{found['ceiling_ms']:>15.1f} {found['ceiling_best_ms']:>6.1f} "
-                  f"{step['batch'] / found['step_ms'] * 1e3:>7.0f} {found['ratio']:>25.2f} {found['ratio_best']:>12.2f}")
+                  f"{step['batch'] / found['step_ms'] * 1e3:>7.0f} {found['ratio']:>25.2f} {found['ratio_best']:>12.2f} "
+                  f"{found['kv_mb']:>7.0f} {1 + found['kv_mb'] / bandwidth / found['ceiling_ms']:>12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
