@@ -48,6 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import generate_latest
 
+from backend import grpc_logs
 from backend.auth import TOKEN_ENV, ServerSecurity
 from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
@@ -518,6 +519,7 @@ class BackendServer:
             options.append(("grpc.max_connection_age_ms", int(self.max_connection_age * 1000)))
         interceptors = self.security.interceptors(
             on_reject=lambda method: self.metrics.observe_rejected(method, "unauthenticated"))
+        grpc_logs.install()
         server = grpc.aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers((engine_service_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
