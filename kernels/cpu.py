@@ -1,4 +1,5 @@
-"""The fused CPU kernels (``csrc/cpu_ops.cpp``): built once per machine, then loaded.
+"""The fused CPU kernels (``csrc/cpu_ops.cpp``, and ``csrc/amx_linear.cpp`` for CPUs with AMX):
+built once per machine, into one library, then loaded.
 
 The first call of ``available()`` compiles the source with the system's C++
 compiler against the installed torch (~30 s), into ``$TANDEM_KERNEL_CACHE``
@@ -34,6 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("amx_linear.cpp"))
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-ffp-contract=off", "-w"]
 _state: dict = {}  # "ok": bool once decided, "error": why not
@@ -57,15 +59,15 @@ def _build_command(compiler: str, output: Path) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     lib_dir = cpp_extension.library_paths()[0]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [compiler, *_FLAGS, abi, *includes, f"-I{sysconfig.get_paths()['include']}", str(SOURCE),
+    return [compiler, *_FLAGS, abi, *includes, f"-I{sysconfig.get_paths()['include']}", *map(str, SOURCES),
             "-o", str(output), f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
 
 
 def library_path(compiler: str) -> Path:
-    """Where the build for this source, torch, compiler and CPU lives."""
+    """Where the build for these sources, torch, compiler and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, version, _cpu_flags(),
-                                    " ".join(_FLAGS)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), torch.__version__, version,
+                                    _cpu_flags(), " ".join(_FLAGS)]).encode()).hexdigest()[:16]
     base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
     return base / f"tandem_cpu_ops-{key}.so"
 
@@ -163,6 +165,23 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] float32 @ (weight [N, K] int8 * scale [N])^T + bias -> [M, N] float32."""
     return torch.ops.tandem_cpu.int8_linear(x, weight, scale, bias)
+
+
+def amx_available() -> bool:
+    """Whether ``amx_linear`` runs here: the kernels are loaded, built for a CPU with AMX, and
+    Linux granted this process the tile registers."""
+    return available() and torch.ops.tandem_cpu.amx_available()
+
+
+def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> the tile layout ``amx_linear`` reads (csrc/amx_linear.cpp)."""
+    return torch.ops.tandem_cpu.amx_pack_weight(weight)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] bf16 @ weight^T + bias -> [M, N] bf16, the weight packed by ``amx_pack_weight``:
+    products exact, summed in fp32 (F.linear's math in another order), rounded once."""
+    return torch.ops.tandem_cpu.amx_linear(x, packed, n, bias)
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -186,6 +186,38 @@ def test_int8_linear_equals_its_dequantized_reference(m, k, n):
                                cpu.int8_linear(x, weight, scale, None)[0], atol=0, rtol=0)
 
 
+needs_amx = pytest.mark.skipif(not cpu.amx_available(), reason="needs a CPU with AMX (Intel Sapphire Rapids or later)")
+
+
+@needs_amx
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (5, 70, 33), (33, 576, 100), (70, 40, 300)])  # pads in m, k, n
+def test_amx_linear_is_the_exact_sum_rounded_once_to_bf16(m, k, n):
+    gen = torch.Generator().manual_seed(7)
+    x, weight, bias = (torch.randn(shape, generator=gen).bfloat16() for shape in ((m, k), (n, k), (n,)))
+    packed = cpu.amx_pack_weight(weight)
+    for b in (bias, None):
+        exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        got = cpu.amx_linear(x, packed, n, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # bf16 keeps 8 significant bits: rounding once is within half a unit, 2^-8 relative; the
+        # fp32 sums (in another order than F.linear's) add ~1e-6.
+        torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-5)
+    # A row's result does not depend on the rows batched with it (prefill and decode agree).
+    assert torch.equal(cpu.amx_linear(x[:1], packed, n, None)[0], cpu.amx_linear(x, packed, n, None)[0])
+    strided = torch.randn(m, k + 8, generator=gen).bfloat16()[:, 3:k + 3]  # rows not contiguous
+    assert torch.equal(cpu.amx_linear(strided, packed, n, None), cpu.amx_linear(strided.contiguous(), packed, n, None))
+
+
+@needs_amx
+def test_amx_linear_refuses_a_weight_of_another_shape():
+    packed = cpu.amx_pack_weight(torch.randn(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu.amx_linear(torch.randn(2, 96).bfloat16(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="n does not fit"):
+        cpu.amx_linear(torch.randn(2, 64).bfloat16(), packed, 80, None)
+    assert cpu.amx_linear(torch.randn(0, 64).bfloat16(), packed, 40, None).shape == (0, 40)
+
+
 # a partial block; 4-row tiles; more rows than one pass of the VNNI kernel takes (128)
 @pytest.mark.parametrize("m, k, n", [(1, 64, 12), (6, 96, 9), (9, 70, 5), (130, 128, 6)])
 def test_w8a8_linear_equals_its_reference(m, k, n):

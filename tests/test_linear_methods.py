@@ -14,15 +14,16 @@ import transformers as T
 from backend.config import EngineConfig
 from backend.errors import InvalidRequestError
 from backend.models.linear import ReplicatedLinear
-from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, Int8LinearMethod, OneDnnLinearMethod,
-                                           W8A8LinearMethod, linear_method_for, quantize_int8)
+import kernels.cpu
+from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int8LinearMethod,
+                                           OneDnnLinearMethod, W8A8LinearMethod, linear_method_for, quantize_int8)
 from backend.request import SamplingParams
 from test_correctness import hf_greedy, make_engine, random_prompts, run_engine
 
 
-def layer_with(method, in_features=40, out_features=24, seed=0):
+def layer_with(method, in_features=40, out_features=24, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    layer = ReplicatedLinear(in_features, out_features, bias=True)
+    layer = ReplicatedLinear(in_features, out_features, bias=True).to(dtype)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     expected_weight, expected_bias = layer.weight.detach().clone(), layer.bias.detach().clone()
@@ -36,6 +37,16 @@ def test_onednn_method_computes_f_linear(rows):
     layer, weight, bias = layer_with(OneDnnLinearMethod())
     x = torch.randn(rows, 40)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert layer.weight.numel() == 0  # the plain copy was freed
+
+
+@pytest.mark.skipif(not kernels.cpu.amx_available(), reason="needs a CPU with AMX (Intel Sapphire Rapids or later)")
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_amx_method_computes_f_linear(rows):
+    layer, weight, bias = layer_with(AmxLinearMethod(), dtype=torch.bfloat16)
+    x = torch.randn(rows, 40).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2 ** -8, atol=1e-5)  # rounded once to bf16
     assert layer.weight.numel() == 0  # the plain copy was freed
 
 
@@ -86,6 +97,8 @@ def test_int8_method_computes_the_dequantized_matmul(rows):
 def test_method_choice():
     cpu = torch.device("cpu")
     assert isinstance(linear_method_for(cpu, torch.float32, None), OneDnnLinearMethod)
+    bf16 = AmxLinearMethod if kernels.cpu.amx_available() else OneDnnLinearMethod
+    assert type(linear_method_for(cpu, torch.bfloat16, None)) is bf16
     assert type(linear_method_for(cpu, torch.float32, "int8")) is Int8LinearMethod
     assert type(linear_method_for(cpu, torch.float32, "w8a8")) is W8A8LinearMethod
     assert type(linear_method_for(torch.device("meta"), torch.float32, None)).__name__ == "LinearMethod"
@@ -133,3 +146,14 @@ def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoi
     x = torch.randn(3, layer.int8_weight.shape[1])
     torch.testing.assert_close(layer(x), kernels.reference.w8a8_linear(x, layer.int8_weight, layer.weight_scale, None),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.cpu.amx_available(), reason="needs a CPU with AMX (Intel Sapphire Rapids or later)")
+def test_bf16_engine_on_amx_is_batch_invariant_and_every_linear_uses_it(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint("qwen2"), dtype="bfloat16")  # qwen2: q, k, v have biases
+    linears = [m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "linear_method")]
+    assert linears and all(isinstance(m.linear_method, AmxLinearMethod) for m in linears)  # the LM head too
+    prompts = random_prompts([3, 17, 40], 384)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    batched = run_engine(engine, prompts, params)
+    assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
