@@ -10,12 +10,16 @@ matmul engine torch offers on this device:
     int8          weight-only int8, float activations: Tandem's --quantization int8 kernel
     fbgemm-int8   int8 weights and activations quantized per step (fbgemm; for comparison)
     F.linear bf16, onednn bf16   only where the CPU computes bf16 natively (the engine's default
-                  dtype there: onednn bf16 is what it runs)
+                  dtype there: onednn bf16 is what it runs without AMX)
+    tandem amx bf16   only where the CPU has AMX: Tandem's own kernel (kernels/csrc/amx_linear.cpp),
+                  what the engine runs there instead of oneDNN
 
-The best unquantized engine's time is the decode step's ceiling at full
+The best unquantized torch engine's time is the decode step's ceiling at full
 precision, ``batch / time`` tokens/s (the int8 engine's is given apart: it
 changes the numbers). This ceiling divided by Tandem's own step time at the same
-batch is the "fraction of the ceiling" the performance targets speak of.
+batch is the "fraction of the ceiling" the performance targets speak of. Where
+Tandem's AMX kernel beats torch's, the step is also given against it ("ratio vs
+amx"): what the step adds to its own matmuls.
 
     python bench/ceiling.py                    # default model, batches 1,8,32,64,128
     python bench/ceiling.py --batch-sizes 1,32 --json ceiling.json
@@ -23,8 +27,8 @@ batch is the "fraction of the ceiling" the performance targets speak of.
     python bench/ceiling.py --engine --quantization int8
     python bench/ceiling.py --batch-sizes 32,64 --engine --kv-cache-dtype fp8
 
-With ``--engine`` the step and the best engine's matmuls are timed in alternating rounds in one
-process (engine_against_ceiling), so the machine's drift cancels out of their ratio. It also gives
+With ``--engine`` the step and the best engine's matmuls (and the AMX kernel's) are timed in
+alternating rounds in one process (engine_against_ceiling), so the machine's drift cancels out of their ratio. It also gives
 the bytes of K and V the step's attention reads, and the ratio a step would reach if it added to
 the matmuls only those bytes at the measured bandwidth ("ratio floor"): where attention is bound
 by memory, no kernel gets below it without a smaller cache (``--kv-cache-dtype fp8``).
@@ -112,17 +116,24 @@ def engines(dtype_bf16: bool):
         out["F.linear bf16"] = (lambda w: w.bfloat16(), lambda x, w: F.linear(x, w))
         out["onednn bf16"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32),
                               lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+        if kernels.cpu.amx_available():
+            out[OWN_AMX] = (lambda w: (kernels.cpu.amx_pack_weight(w.bfloat16()), w.shape[0]),
+                            lambda x, s: kernels.cpu.amx_linear(x, s[0], s[1], None))
     return out
 
 
+OWN_AMX = "tandem amx bf16"  # Tandem's kernel, not torch's: kept out of the ceiling, timed beside it
+
+
 def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int, context: int,
-                           ceiling_step, rounds: int = 8, steps: int = 4) -> dict:
+                           ceiling_step, own_step=None, rounds: int = 8, steps: int = 4) -> dict:
     """Tandem's decode step at ``batch`` sequences of ~``context`` cached tokens, and the ceiling's
     matmul step (``ceiling_step()``), timed in alternating rounds in one process: the machine's
     speed drifts (up to 2x within minutes here), and a ratio of two figures taken minutes apart
-    carries that drift. Each round: the ceiling's best of 3, then ``steps`` engine steps.
-    Returns medians and bests of the step, the ceiling and their per-round ratio, and the mean bytes
-    of K and V a step's attention reads (``kv_mb``)."""
+    carries that drift. Each round: the ceiling's best of 3 (and ``own_step``'s, Tandem's own
+    matmuls, where given), then ``steps`` engine steps. Returns medians and bests of the step, the
+    ceiling and their per-round ratio (``own_ms``, ``own_ratio`` likewise), and the mean bytes of K
+    and V a step's attention reads (``kv_mb``)."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.request import SamplingParams
@@ -139,9 +150,10 @@ def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int,
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()  # prefill everyone first
     engine.step()
-    step_times, ceiling_times, ratios, cached = [], [], [], []
+    step_times, ceiling_times, ratios, cached, own_times, own_ratios = [], [], [], [], [], []
     for _ in range(rounds):
         ceiling = best_time(ceiling_step, 3, 0.0)
+        own = best_time(own_step, 3, 0.0) if own_step is not None else None
         times = []
         for _ in range(steps):
             cached.append(sum(r.num_computed_tokens + 1 for r in engine.scheduler.running))
@@ -151,13 +163,18 @@ def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int,
         ceiling_times.append(ceiling)
         step_times += times
         ratios.append(median_high(times) / ceiling)
+        if own is not None:
+            own_times.append(own)
+            own_ratios.append(median_high(times) / own)
     # The runner's own figure (the cache's dtype, every layer's K and V); this bench runs the uni executor.
     kv_bytes_per_token = engine.executor.worker.runner.kv_bytes_per_block() / config.block_size
     engine.shutdown()
     return {"step_ms": median_high(step_times) * 1e3, "step_best_ms": min(step_times) * 1e3,
             "ceiling_ms": median_high(ceiling_times) * 1e3, "ceiling_best_ms": min(ceiling_times) * 1e3,
             "ratio": median_high(ratios), "ratio_best": min(step_times) / min(ceiling_times),
-            "kv_mb": sum(cached) / len(cached) * kv_bytes_per_token / 1e6}
+            "kv_mb": sum(cached) / len(cached) * kv_bytes_per_token / 1e6,
+            "own_ms": median_high(own_times) * 1e3 if own_times else None,
+            "own_ratio": median_high(own_ratios) if own_ratios else None}
 
 
 def main() -> None:
@@ -207,7 +224,7 @@ def main() -> None:
 
             row[name] = best_time(step, 3, 1.0)
             del states
-        best = min((n for n in row if "int8" not in n), key=row.get)
+        best = min((n for n in row if "int8" not in n and n != OWN_AMX), key=row.get)
         int8 = batch / row["int8"] if "int8" in row else float("nan")
         results["steps"].append({"batch": batch, "ms": {k: v * 1e3 for k, v in row.items()}, "best": best,
                                  "ceiling_tok_s": batch / row[best], "ceiling_int8_tok_s": int8})
@@ -222,27 +239,37 @@ def main() -> None:
               f"timed in alternating rounds: ms, and the step's ratio to the ceiling (target <= 1.4 at batch 32)")
         print("(KV MB: what a step's attention reads; ratio floor: (ceiling + those bytes at the measured "
               "bandwidth) / ceiling, the best ratio a step could reach)")
+        available = engines(cpu_has_native_bf16())
+        own = OWN_AMX if OWN_AMX in available and args.quantization is None else None
+        if own:
+            print(f"(amx ms, ratio vs amx: the same for {own}, the matmuls this engine runs here)")
         print(f"{'batch':>5} {'step median':>12} {'best':>6} {'ceiling median':>15} {'best':>6} {'tok/s':>7} "
-              f"{'ratio (median of rounds)':>25} {'best / best':>12} {'KV MB':>7} {'ratio floor':>12}")
-        for step in results["steps"]:
-            name = "int8" if args.quantization == "int8" else step["best"]
-            prepare, run = engines(cpu_has_native_bf16())[name]
+              f"{'ratio (median of rounds)':>25} {'best / best':>12} {'KV MB':>7} {'ratio floor':>12}"
+              + (f" {'amx ms':>7} {'ratio vs amx':>13}" if own else ""))
+
+        def matmul_step(name: str, batch: int):
+            """The step's weight matmuls on engine ``name``, weights prepared once."""
+            prepare, run = available[name]
             states = [prepare(w) for w in weights]
             x_dtype = torch.bfloat16 if "bf16" in name else torch.float32
-            inputs = {w.shape[1]: torch.randn(step["batch"], w.shape[1]).to(x_dtype) for w in weights}
+            inputs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(x_dtype) for w in weights}
 
-            def ceiling_step():
+            def step():
                 for w, state in zip(weights, states):
                     run(inputs[w.shape[1]], state)
+            return step
 
+        for step in results["steps"]:
+            name = "int8" if args.quantization == "int8" else step["best"]
             found = engine_against_ceiling(args.model, args.quantization, args.kv_cache_dtype, step["batch"],
-                                           args.context, ceiling_step)
-            del states
+                                           args.context, matmul_step(name, step["batch"]),
+                                           matmul_step(own, step["batch"]) if own else None)
             step["engine"] = found
             print(f"{step['batch']:>5} {found['step_ms']:>12.1f} {found['step_best_ms']:>6.1f} "
                   f"{found['ceiling_ms']:>15.1f} {found['ceiling_best_ms']:>6.1f} "
                   f"{step['batch'] / found['step_ms'] * 1e3:>7.0f} {found['ratio']:>25.2f} {found['ratio_best']:>12.2f} "
-                  f"{found['kv_mb']:>7.0f} {1 + found['kv_mb'] / bandwidth / found['ceiling_ms']:>12.2f}")
+                  f"{found['kv_mb']:>7.0f} {1 + found['kv_mb'] / bandwidth / found['ceiling_ms']:>12.2f}"
+                  + (f" {found['own_ms']:>7.1f} {found['own_ratio']:>13.2f}" if own else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
