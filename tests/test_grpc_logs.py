@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from grpc._cython import cygrpc
-
 import pytest
+from grpc._cython import cygrpc
 
 from backend import grpc_logs
 

@@ -1,4 +1,5 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against their plain-torch twins.
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against their plain-torch twins, and the AMX
+linear (kernels/csrc/amx_linear.cpp, where the CPU has AMX) against the exact matmul.
 
 Mixed batches: decodes and prefill chunks with cached prefixes, block
 boundaries crossed, GQA. fp32 must agree to float rounding (rotary and norms
