@@ -90,6 +90,9 @@ def model_shapes(hf_config) -> tuple[list[tuple[int, int]], int]:
     return layer, c.num_hidden_layers
 
 
+OWN_AMX = "tandem amx bf16"  # Tandem's kernel, not torch's: kept out of the ceiling, timed beside it
+
+
 def engines(dtype_bf16: bool):
     """name -> (prepare(weight [out, in]) -> state, run(x, state)); x is bf16 for the "bf16" engines."""
     out = {
@@ -120,9 +123,6 @@ def engines(dtype_bf16: bool):
             out[OWN_AMX] = (lambda w: (kernels.cpu.amx_pack_weight(w.bfloat16()), w.shape[0]),
                             lambda x, s: kernels.cpu.amx_linear(x, s[0], s[1], None))
     return out
-
-
-OWN_AMX = "tandem amx bf16"  # Tandem's kernel, not torch's: kept out of the ceiling, timed beside it
 
 
 def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int, context: int,

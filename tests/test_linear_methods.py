@@ -19,6 +19,7 @@ from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMetho
                                            OneDnnLinearMethod, W8A8LinearMethod, linear_method_for, quantize_int8)
 from backend.request import SamplingParams
 from test_correctness import hf_greedy, make_engine, random_prompts, run_engine
+from test_kernels_cpu import needs_amx
 
 
 def layer_with(method, in_features=40, out_features=24, seed=0, dtype=torch.float32):
@@ -40,7 +41,7 @@ def test_onednn_method_computes_f_linear(rows):
     assert layer.weight.numel() == 0  # the plain copy was freed
 
 
-@pytest.mark.skipif(not kernels.cpu.amx_available(), reason="needs a CPU with AMX (Intel Sapphire Rapids or later)")
+@needs_amx
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_amx_method_computes_f_linear(rows):
     layer, weight, bias = layer_with(AmxLinearMethod(), dtype=torch.bfloat16)
@@ -148,7 +149,7 @@ def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoi
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not kernels.cpu.amx_available(), reason="needs a CPU with AMX (Intel Sapphire Rapids or later)")
+@needs_amx
 def test_bf16_engine_on_amx_is_batch_invariant_and_every_linear_uses_it(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint("qwen2"), dtype="bfloat16")  # qwen2: q, k, v have biases
     linears = [m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "linear_method")]
