@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("amx_linear.cpp"))
+HEADERS = (SOURCE.with_name("exp16.h"),)  # included by the sources: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-ffp-contract=off", "-w"]
 _state: dict = {}  # "ok": bool once decided, "error": why not
@@ -66,7 +67,7 @@ def _build_command(compiler: str, output: Path) -> list[str]:
 def library_path(compiler: str) -> Path:
     """Where the build for these sources, torch, compiler and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), torch.__version__, version,
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), torch.__version__, version,
                                     _cpu_flags(), " ".join(_FLAGS)]).encode()).hexdigest()[:16]
     base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
     return base / f"tandem_cpu_ops-{key}.so"
@@ -182,6 +183,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[tor
     """x [M, K] bf16 @ weight^T + bias -> [M, N] bf16, the weight packed by ``amx_pack_weight``:
     products exact, summed in fp32 (F.linear's math in another order), rounded once."""
     return torch.ops.tandem_cpu.amx_linear(x, packed, n, bias)
+
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

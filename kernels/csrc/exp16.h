@@ -1,0 +1,21 @@
+// exp of 16 floats in an AVX-512 register, shared by cpu_ops.cpp (attention's softmax, SiLU) and
+// amx_linear.cpp (the gated linear's SiLU), so both compute the same bits.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// Cephes' single-precision polynomial (~1 ulp for x in [-87, 88]), with fused multiply-adds, and
+// vscalefps applying 2^n (so no clamping: far below the range gives 0, far above inf).
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
