@@ -185,6 +185,17 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[tor
     return torch.ops.tandem_cpu.amx_linear(x, packed, n, bias)
 
 
+def amx_gated_order(d: int) -> torch.Tensor:
+    """The row order ``amx_gated_linear`` wants of a [gate | up] weight of 2d rows (d % 32 == 0),
+    to pack: its 32-row panels alternating, gate rows [0, 32), up rows [0, 32), gate [32, 64), ..."""
+    return torch.arange(2 * d).view(2, d // 32, 32).transpose(0, 1).reshape(-1)
+
+
+def amx_gated_linear(x: torch.Tensor, packed: torch.Tensor, d: int) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, d] bf16: SiLU(gate) * up, bit for bit silu_and_mul(amx_linear(x, gate
+    | up)), packed = amx_pack_weight(weight[amx_gated_order(d)]) of the [2d, K] gate | up weight."""
+    return torch.ops.tandem_cpu.amx_gated_linear(x, packed, d)
+
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -164,10 +164,8 @@ def test_rotary_matches_reference_bit_for_bit(rotary_dim):
 
 
 def test_silu_and_mul_matches_reference():
-    from backend.models.layers import silu_and_mul
-
     x = torch.randn(9, 2 * 40, generator=torch.Generator().manual_seed(4))
-    torch.testing.assert_close(cpu.silu_and_mul(x), silu_and_mul(x), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 64, 12), (5, 72, 9), (7, 13, 4)])  # tails in k and n
@@ -207,6 +205,21 @@ def test_amx_linear_is_the_exact_sum_rounded_once_to_bf16(m, k, n):
     assert torch.equal(cpu.amx_linear(x[:1], packed, n, None)[0], cpu.amx_linear(x, packed, n, None)[0])
     strided = torch.randn(m, k + 8, generator=gen).bfloat16()[:, 3:k + 3]  # rows not contiguous
     assert torch.equal(cpu.amx_linear(strided, packed, n, None), cpu.amx_linear(strided.contiguous(), packed, n, None))
+
+
+@needs_amx
+@pytest.mark.parametrize("m, k, d", [(1, 40, 32), (5, 64, 64), (33, 70, 96)])  # pads in m and k
+def test_amx_gated_linear_is_silu_and_mul_of_amx_linear_bit_for_bit(m, k, d):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    weight = (torch.randn(2 * d, k, generator=gen) * k ** -0.5).bfloat16()  # [gate | up]
+    expected = cpu.silu_and_mul(cpu.amx_linear(x, cpu.amx_pack_weight(weight), 2 * d, None))
+    got = cpu.amx_gated_linear(x, cpu.amx_pack_weight(weight[cpu.amx_gated_order(d)]), d)
+    assert got.shape == (m, d) and torch.equal(got, expected)
+    gate_up = torch.nn.functional.linear(x.float(), weight.float()).bfloat16()  # within an ulp of the kernel's
+    torch.testing.assert_close(got.float(), reference.silu_and_mul(gate_up.float()), rtol=2 ** -6, atol=1e-3)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu.amx_gated_linear(x, cpu.amx_pack_weight(weight), d + 16)
 
 
 @needs_amx
