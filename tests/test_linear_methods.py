@@ -13,7 +13,7 @@ import transformers as T
 
 from backend.config import EngineConfig
 from backend.errors import InvalidRequestError
-from backend.models.linear import ReplicatedLinear
+from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
 import kernels.cpu
 from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int8LinearMethod,
                                            OneDnnLinearMethod, W8A8LinearMethod, linear_method_for, quantize_int8)
@@ -51,9 +51,44 @@ def test_amx_method_computes_f_linear(rows):
     assert layer.weight.numel() == 0  # the plain copy was freed
 
 
+def gate_up_layer(method, half=64, bias=False, dtype=torch.float32):
+    """A gate | up layer of 40 inputs, random weights, ``method`` applied; -> (layer, weight, bias)."""
+    torch.manual_seed(3)
+    layer = MergedColumnParallelLinear(40, [half, half], bias=bias).to(dtype)
+    layer.weight.data.normal_(std=40 ** -0.5)
+    if bias:
+        layer.bias.data.normal_()
+    weight = layer.weight.detach().clone()
+    bias_copy = layer.bias.detach().clone() if bias else None
+    layer.linear_method = method
+    method.process_weights_after_loading(layer)
+    return layer, weight, bias_copy
+
+
+def test_forward_gated_is_silu_and_mul_of_forward():
+    layer, weight, _ = gate_up_layer(LinearMethod())
+    x = torch.randn(6, 40)
+    expected = kernels.reference.silu_and_mul(torch.nn.functional.linear(x, weight))
+    torch.testing.assert_close(layer.forward_gated(x), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="equal parts"):
+        MergedColumnParallelLinear(40, [32, 64], bias=False).forward_gated(x)
+
+
+@needs_amx
+@pytest.mark.parametrize("half, bias", [(64, False), (48, False), (64, True)])  # fused; 48 and bias: not
+def test_amx_method_fuses_silu_into_gate_up_bit_for_bit(half, bias):
+    layer, weight, b = gate_up_layer(AmxLinearMethod(), half, bias, torch.bfloat16)
+    assert bool(layer.amx_gated_half) == (half % 32 == 0 and not bias)
+    x = torch.randn(33, 40).bfloat16()
+    plain = layer(x)  # gate | up in the checkpoint's column order, whatever the packing
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(plain.float(), expected, rtol=2 ** -8, atol=1e-5)
+    assert torch.equal(layer.forward_gated(x), kernels.cpu.silu_and_mul(plain))
+
+
 ONEDNN_GROWTH_SCRIPT = """
 import os, sys, torch
-from backend.models.linear import ReplicatedLinear
+from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
 from backend.models.linear_methods import OneDnnLinearMethod
 def rss_mib():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))

@@ -92,11 +92,6 @@ class PPMissingLayer(nn.Module):
         raise RuntimeError("This module lives on another pipeline stage.")
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
-    return kernels.silu_and_mul(x)
-
-
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 StackedParams = dict[str, tuple[str, int]]
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from backend.distributed import ParallelState, get_parallel_state, tp_all_reduce
 
 
@@ -40,6 +41,12 @@ class LinearMethod:
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x: [num_tokens, in_local] -> [num_tokens, out_local]."""
         return F.linear(x, layer.weight, bias)
+
+    def apply_gated(self, layer: "MergedColumnParallelLinear", x: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """A gate | up layer's SiLU(gate) * up: x [num_tokens, in] -> [num_tokens, out_local / 2].
+        A method may fuse the activation into its matmul; the result is this one's, bit for bit."""
+        return kernels.silu_and_mul(self.apply(layer, x, bias))
 
 
 DEFAULT_LINEAR_METHOD = LinearMethod()
@@ -118,6 +125,18 @@ class MergedColumnParallelLinear(LinearBase):
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(shards))]  # local
         super().__init__(input_size, sum(self.part_sizes), bias, linear_method)
         self.shard_ids = tuple(range(len(output_sizes)))
+
+    @property
+    def gated_half(self) -> Optional[int]:
+        """Local features of each part when the layer is a gate | up pair of equal parts, else None."""
+        sizes = self.part_sizes
+        return sizes[0] if len(sizes) == 2 and sizes[0] == sizes[1] else None
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of this rank's parts (a gate | up pair): [num_tokens, gated_half]."""
+        if self.gated_half is None:
+            raise ValueError(f"forward_gated needs a gate | up pair of equal parts, not {self.part_sizes}")
+        return self.linear_method.apply_gated(self, x, self.bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if shard_id is None:

@@ -63,13 +63,31 @@ class OneDnnLinearMethod(LinearMethod):
 
 
 class AmxLinearMethod(LinearMethod):
+    """A gate | up pair (halves of a multiple of 32 features, no bias) is packed with its 32-row
+    panels alternating (``kernels.cpu.amx_gated_order``), so that ``apply_gated`` computes
+    SiLU(gate) * up in the matmul's epilogue (``kernels.cpu.amx_gated_linear``): the gate | up
+    product is never written out and read back by a separate SiLU pass."""
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        layer.amx_weight = kernels.cpu.amx_pack_weight(layer.weight.detach())
+        weight = layer.weight.detach()
+        half = getattr(layer, "gated_half", None)
+        layer.amx_gated_half = half if half and half % 32 == 0 and layer.bias is None else None
+        if layer.amx_gated_half:
+            weight = weight[kernels.cpu.amx_gated_order(layer.amx_gated_half)]
+        layer.amx_weight = kernels.cpu.amx_pack_weight(weight)
         layer.amx_out_features = layer.weight.shape[0]
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return kernels.cpu.amx_linear(x, layer.amx_weight, layer.amx_out_features, bias)
+        out = kernels.cpu.amx_linear(x, layer.amx_weight, layer.amx_out_features, bias)
+        if layer.amx_gated_half:  # columns in panel order: back to gate | up
+            out = out.view(-1, layer.amx_gated_half // 32, 2, 32).transpose(1, 2).reshape(out.shape)
+        return out
+
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not layer.amx_gated_half:
+            return super().apply_gated(layer, x, bias)
+        return kernels.cpu.amx_gated_linear(x, layer.amx_weight, layer.amx_gated_half)
 
 
 class Int8LinearMethod(LinearMethod):

@@ -15,8 +15,7 @@ from torch import nn
 
 from backend.distributed import get_parallel_state, stage_layers
 from backend.models.attention import Attention, AttentionMetadata
-from backend.models.layers import (PPMissingLayer, RMSNorm, RotaryEmbedding, load_weights,
-                                   silu_and_mul)
+from backend.models.layers import PPMissingLayer, RMSNorm, RotaryEmbedding, load_weights
 from backend.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from backend.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
@@ -52,7 +51,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_gated(x))
 
 
 class LlamaDecoderLayer(nn.Module):
