@@ -13,7 +13,9 @@ A column-parallel layer feeds a row-parallel one (attention: QKV -> o_proj, MLP:
 so each block costs one all-reduce. The matmul happens in exactly one place,
 ``layer.linear_method.apply(layer, x, bias)``: swap the method (prepacked weights, weight-only
 int8, ...) and every linear of every model follows. With one rank ``forward`` is that single
-call, so the TP=1 path costs nothing over ``nn.Linear``.
+call, so the TP=1 path costs nothing over ``nn.Linear``. An MLP's gate | up layer also offers
+``forward_gated`` (SiLU(gate) * up), through the method's ``apply_gated``: ``apply`` and the SiLU
+by default, one fused kernel where the method has one (AMX).
 
 Checkpoint tensors arrive whole (as views of the memory-mapped file, see loader.py) and each
 layer's ``weight_loader(param, tensor, shard_id)`` copies this rank's slice, so a rank reads only

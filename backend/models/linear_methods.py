@@ -7,7 +7,8 @@
     AmxLinearMethod           CPU with AMX, bf16: the weight packed once into AMX tiles
                               (kernels/csrc/amx_linear.cpp). F.linear's math (exact products, fp32
                               sums, one rounding); a batch-32 decode step's matmuls 1.35-1.5x
-                              faster than oneDNN's (which runs on AMX too), prompts' 0.74-1.09x
+                              faster than oneDNN's (which runs on AMX too), prompts' 0.74-1.09x;
+                              an MLP's gate | up with its SiLU in the epilogue (``apply_gated``)
     Int8LinearMethod          CPU, ``quantization="int8"``: weight-only int8, one symmetric scale
                               per output channel; activations stay fp32 (kernels/cpu.py's kernel),
                               so the result is the matmul with the dequantized weight
