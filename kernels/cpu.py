@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("amx_linear.cpp"))
-HEADERS = (SOURCE.with_name("exp16.h"),)  # included by the sources: part of the build's key
+HEADERS = (SOURCE.with_name("avx512_math.h"),)  # included by the sources: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-ffp-contract=off", "-w"]
 _state: dict = {}  # "ok": bool once decided, "error": why not

@@ -88,7 +88,7 @@ def test_amx_method_fuses_silu_into_gate_up_bit_for_bit(half, bias):
 
 ONEDNN_GROWTH_SCRIPT = """
 import os, sys, torch
-from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
+from backend.models.linear import ReplicatedLinear
 from backend.models.linear_methods import OneDnnLinearMethod
 def rss_mib():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))

@@ -25,7 +25,7 @@
 
 #include <algorithm>
 
-#include "exp16.h"
+#include "avx512_math.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define TANDEM_AMX 1
 #include <immintrin.h>
@@ -222,7 +222,7 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, int64_t n_size, const c
 // y [M, d] = silu(x @ gate^T) * (x @ up^T) for the packed [2d, K] weight whose 32-row panels
 // alternate, gate rows [32 p, 32 p + 32) then up's (kernels.cpu.amx_gated_order); d a multiple of 32. The
 // same bits as silu_and_mul(amx_linear(x, gate | up)): both products, then silu(gate), rounded
-// to bf16 before the multiply, whose result is rounded again; the SiLU is cpu_ops.cpp's.
+// to bf16 before the multiply, whose result is rounded again; silu16 is silu_and_mul's.
 Tensor amx_gated_linear(const Tensor& x, const Tensor& packed, int64_t d) {
   check_operands("amx_gated_linear", x, packed);
   const int64_t m_size = x.size(0), panels = packed.size(0), chunks = packed.size(1);
@@ -233,8 +233,6 @@ Tensor amx_gated_linear(const Tensor& x, const Tensor& packed, int64_t d) {
   if (m_size == 0) return y;
   const Tensor xp = padded_rows(x, chunks * kBlock);
   c10::BFloat16* out = y.data_ptr<c10::BFloat16>();
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   multiply_units<2>(xp.data_ptr<c10::BFloat16>(), xp.size(0), xp.size(1), packed.data_ptr<c10::BFloat16>(),
                     panels / 2, chunks, [&](const float (*c)[kBlock * kBlock], int64_t m0, int64_t p) {
                       for (int64_t r = 0; r < std::min(kBlock, m_size - m0); ++r) {
@@ -242,8 +240,7 @@ Tensor amx_gated_linear(const Tensor& x, const Tensor& packed, int64_t d) {
                         for (int half = 0; half < 2; ++half) {
                           const __m512 g = round_bf16(_mm512_load_ps(c[0] + r * kBlock + 16 * half));
                           const __m512 u = round_bf16(_mm512_load_ps(c[1] + r * kBlock + 16 * half));
-                          const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-                          h[half] = _mm512_mul_ps(round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(minus_g)))), u);
+                          h[half] = _mm512_mul_ps(round_bf16(silu16(g)), u);
                         }
                         _mm512_storeu_si512(out + (m0 + r) * d + p * kBlock, (__m512i)_mm512_cvtne2ps_pbh(h[1], h[0]));
                       }

@@ -40,7 +40,7 @@
 #endif
 #include <vector>
 
-#include "exp16.h"
+#include "avx512_math.h"
 
 namespace {
 
@@ -468,7 +468,7 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
 template <typename C>
 constexpr float kLoadUnit = std::is_same_v<C, c10::Float8_e4m3fn> ? 256.0f : 1.0f;  // value = load16 * this
 
-// exp16 (exp16.h): exp(x) for 16 lanes, the polynomial of vexp_t with fused multiply-adds.
+// exp16 (avx512_math.h): exp(x) for 16 lanes, the polynomial of vexp_t with fused multiply-adds.
 
 // x[i] = exp(x[i] - shift) for x[i] <= shift; returns the sum.
 inline float exp_shifted16(float* x, int64_t n, float shift) {
@@ -1234,13 +1234,13 @@ Tensor attention_block(Tensor qkv, const c10::optional<Tensor>& positions, const
 
 // ---- activations ----------------------------------------------------------------------
 
-// exp of 16 lanes: with fused multiply-adds and vscalefps where the target has AVX-512 (exp16),
-// else the generic polynomial (-ffp-contract=off keeps it unfused).
-inline vf16 exp_wide(vf16 x) {
+// silu of 16 lanes, unrounded: silu16 (exp with fused multiply-adds and vscalefps) where the
+// target has AVX-512, else the generic polynomial (-ffp-contract=off keeps it unfused).
+inline vf16 silu_wide(vf16 x) {
 #if defined(__AVX512F__)
-  return exp16(x);
+  return silu16(x);
 #else
-  return vexp16(x);
+  return x / (1.0f + vexp16(-x));
 #endif
 }
 
@@ -1252,7 +1252,7 @@ void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t d, float* buf)
     int64_t k = 0;
     for (; k + kLanesWide <= d; k += kLanesWide) {
       const vf16 g = load16f(gate + k);
-      store16(out + k, round16<T>(round16<T>(g / (1.0f + exp_wide(-g))) * load16f(up + k)));
+      store16(out + k, round16<T>(round16<T>(silu_wide(g)) * load16f(up + k)));
     }
     for (; k < d; ++k) {
       const float g = to_f(gate[k]);

@@ -1,5 +1,5 @@
-// exp of 16 floats in an AVX-512 register, shared by cpu_ops.cpp (attention's softmax, SiLU) and
-// amx_linear.cpp (the gated linear's SiLU), so both compute the same bits.
+// exp and SiLU of 16 floats in an AVX-512 register, shared by cpu_ops.cpp (attention's softmax,
+// silu_and_mul) and amx_linear.cpp (the gated linear's epilogue), so both compute the same bits.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -17,5 +17,12 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// silu(x) = x / (1 + exp(-x)), unrounded (-x: the sign bit flipped).
+inline __m512 silu16(__m512 x) {
+  const __m512 minus_x = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(minus_x)));
 }
 #endif
