@@ -123,7 +123,8 @@ class TokenBitmask:
         # Each bitmask byte indexes a table row of 8 additive biases (0 or -inf): a gather and
         # an add, ~3x faster on CPU than unpacking bits into a bool mask for masked_fill.
         bytes_ = self.bitmask.to(logits.device).view(torch.uint8).reshape(-1).long()  # [num_rows * W * 4]
-        bias = _bias_table(logits.device).index_select(0, bytes_).view(num_rows, -1)[:, :vocab_size]
+        table = _bias_table(logits.device, logits.dtype)  # [256, 8] in the logits' own dtype
+        bias = table.index_select(0, bytes_).view(num_rows, -1)[:, :vocab_size]  # [num_rows, vocab]
         rows = self.rows.to(logits.device)
         if num_rows == logits.shape[0]:
             logits.add_(bias)  # the runner puts rows in order; all rows constrained
@@ -131,16 +132,18 @@ class TokenBitmask:
             logits.index_add_(0, rows, bias)
 
 
-_BIAS_TABLES: dict[torch.device, torch.Tensor] = {}
+_BIAS_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _bias_table(device: torch.device) -> torch.Tensor:
-    """[256, 8] float32: entry [b, j] is 0 if bit j of byte b is set, else -inf (little-endian bytes)."""
-    table = _BIAS_TABLES.get(device)
+def _bias_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8] of ``dtype``: entry [b, j] is 0 if bit j of byte b is set, else -inf (little-endian
+    bytes). One per device and dtype: the mask is added to logits of the model's own dtype (0 and
+    -inf are exact in every float format), so bf16 and fp16 logits never meet a float32 source."""
+    table = _BIAS_TABLES.get((device, dtype))
     if table is None:
         bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1  # [256, 8]
-        table = torch.where(bits.bool(), 0.0, float("-inf")).to(device=device, dtype=torch.float32)
-        _BIAS_TABLES[device] = table
+        table = torch.where(bits.bool(), 0.0, float("-inf")).to(device=device, dtype=dtype)
+        _BIAS_TABLES[(device, dtype)] = table
     return table
 
 

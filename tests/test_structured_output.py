@@ -55,19 +55,21 @@ def text(engine: LLMEngine, token_ids: list[int]) -> str:
 # ---- the mask -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("constrained_rows", [(0, 2), (0, 1, 2)])  # some rows (index_add_), all rows (add_)
 @pytest.mark.parametrize("vocab_size", [64, 100])  # a multiple of 32 and not
-def test_bitmask_sets_exactly_the_disallowed_logits_to_minus_inf(vocab_size):
+def test_bitmask_sets_exactly_the_disallowed_logits_to_minus_inf(vocab_size, constrained_rows, dtype):
     torch.manual_seed(0)
     width = -(-vocab_size // 32)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (2, width), dtype=torch.int32)
-    logits = torch.randn(3, vocab_size)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(constrained_rows), width), dtype=torch.int32)
+    logits = torch.randn(3, vocab_size).to(dtype)
     expected = logits.clone()
-    for k, row in enumerate((0, 2)):  # rows 0 and 2 constrained, row 1 free
+    for k, row in enumerate(constrained_rows):  # the other rows are free
         for token in range(vocab_size):
             if not (int(bitmask[k, token // 32]) >> (token % 32)) & 1:
                 expected[row, token] = float("-inf")
-    TokenBitmask(bitmask, torch.tensor([0, 2])).apply_(logits)
-    assert torch.equal(logits, expected)
+    TokenBitmask(bitmask, torch.tensor(constrained_rows)).apply_(logits)
+    assert logits.dtype == dtype and torch.equal(logits, expected)
 
 
 def test_grammar_bitmask_picks_the_rows_of_the_sampler():
