@@ -18,7 +18,7 @@ whole sequence).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from backend.request import EngineOutput, FinishReason, Logprob, PositionLogprobs, Request, SamplingParams
 
@@ -58,11 +58,12 @@ class BeamSearch:
         self.candidates: dict[str, PositionLogprobs] = {}  # child ID -> its next-token logprobs
         self.children: dict[str, Beam] = {}  # this round's child IDs -> the beam each extends
 
-    def next_children(self, eos_token_id: Optional[int]) -> list[Request]:
-        """The requests of the next round, one per live beam."""
+    def next_children(self, eos_token_id: Optional[int], new_sequence_id: Callable[[], str]) -> list[Request]:
+        """The requests of the next round, one per live beam; ``new_sequence_id`` gives each child
+        an engine-internal ID (no client can name one)."""
         self.round += 1
         self.candidates.clear()
-        self.children = {f"{self.request_id}#beam{self.round}.{i}": beam for i, beam in enumerate(self.live)}
+        self.children = {new_sequence_id(): beam for beam in self.live}
         return [Request(child_id, self.prompt_token_ids + beam.token_ids, self.child_params, eos_token_id,
                         parent_id=self.request_id, index=i, arrival_time=self.arrival_time)
                 for i, (child_id, beam) in enumerate(self.children.items())]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import AsyncIterator, Iterable, Optional
 from backend.beam_search import BeamSearch
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
-from backend.errors import EngineDeadError, InvalidRequestError
+from backend.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from backend.executor import create_executor
 from backend.limits import Limits
 from backend.request import (EngineLoad, EngineOutput, FinishReason, ModelInfo, Request,
@@ -46,6 +47,11 @@ def _eos_token_ids(config: EngineConfig) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+def _failure_message(error: BaseException) -> str:
+    """What a client is told when its request failed inside the engine."""
+    return f"The request failed inside the engine: {type(error).__name__}: {error}"
+
+
 class LLMEngine:
     """The engine core. Not thread-safe: one caller drives ``add_request``/``step``."""
 
@@ -65,7 +71,14 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(config)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.children: dict[str, list[str]] = {}  # parent request ID -> its sequences' IDs
+        # Client request IDs are labels only: every sequence the engine runs (each of ``n``, each
+        # beam-search child) gets an internal ID from this counter, so no client ID can collide with
+        # one. The scheduler, the block manager and the workers know only internal IDs.
+        self._sequence_ids = itertools.count()
+        self.children: dict[str, list[str]] = {}  # client request ID -> its sequences' internal IDs
+        # Outputs found between steps (a request that failed while being added or given drafts),
+        # returned by the next step.
+        self._pending_outputs: list[EngineOutput] = []
         self.deadlines: list[tuple[float, str]] = []  # heap of (time.monotonic() deadline, parent ID)
         self.beams: dict[str, BeamSearch] = {}  # beam-search request ID -> its search
         self.structured_output = StructuredOutputManager(str(config.tokenizer_path), self.vocab_size,
@@ -127,13 +140,23 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured_output.compile(params.structured_outputs)
+        try:
+            self._add_sequences(request_id, prompt_token_ids, params, arrival_time, grammar, deadline,
+                                cache_salt)
+        except Exception as error:  # the request's own fault (its grammar, say): undo it, raise it typed
+            self._discard(request_id)
+            raise RequestFailedError(_failure_message(error)) from error
+
+    def _add_sequences(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       arrival_time: Optional[float], grammar: object, deadline: Optional[float],
+                       cache_salt: Optional[str]) -> None:
         if params.use_beam_search:
             search = BeamSearch(request_id, prompt_token_ids, params, self.eos_token_ids,
                                 self.config.max_model_len, arrival_time or time.monotonic())
             self.beams[request_id] = search
             self._start_beam_round(search)
             return
-        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        ids = [self._new_sequence_id() for _ in range(params.n)]
         self.children[request_id] = ids
         for index, child_id in enumerate(ids):
             child_params = params
@@ -148,14 +171,45 @@ class LLMEngine:
         if deadline is not None:
             heapq.heappush(self.deadlines, (deadline, request_id))
 
+    def _new_sequence_id(self) -> str:
+        return f"seq-{next(self._sequence_ids)}"
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        """The internal IDs of a client request's sequences still in the engine (for tests and tools)."""
+        return [sid for sid in self.children.get(request_id, ()) if sid in self.scheduler.requests]
+
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests (all their sequences) and free their blocks; unknown IDs are ignored."""
         for request_id in request_ids:
-            self.beams.pop(request_id, None)
-            for child_id in self.children.pop(request_id, []):
-                request = self.scheduler.requests.get(child_id)
-                if request is not None:
-                    self._finish(request, FinishReason.ABORT)
+            self._discard(request_id)
+
+    def _discard(self, request_id: str) -> list[Request]:
+        """Forget a client request: finish (ABORT) its sequences still in the engine, which it returns."""
+        self.beams.pop(request_id, None)
+        ended = []
+        for child_id in self.children.pop(request_id, []):
+            request = self.scheduler.requests.get(child_id)
+            if request is not None:
+                self._finish(request, FinishReason.ABORT)
+                ended.append(request)
+        return ended
+
+    def _fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
+        """End a client request that failed inside the engine, alone: every sequence it still has
+        ends with ``message`` (finish reason ABORT) and its blocks are freed; the rest of the batch
+        goes on. A beam search reports all its ``n`` indices."""
+        logger.warning("Request %r failed inside the engine and was ended: %s", request_id, message)
+        search = self.beams.get(request_id)
+        ended = self._discard(request_id)
+        num_prompt = ended[0].num_prompt_tokens if ended else 0
+        if search is not None:
+            indices = range(search.width)
+            num_prompt = len(search.prompt_token_ids)
+        else:
+            indices = [request.index for request in ended]
+        return [EngineOutput(request_id=request_id, index=index, new_token_ids=[],
+                             finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt, error=message)
+                for index in indices]
 
     def abort_expired(self, now: Optional[float] = None) -> list[EngineOutput]:
         """Abort the requests whose deadline has passed (freeing their blocks); their
@@ -186,79 +240,104 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        """One engine step. A failure that belongs to one request (its grammar, sampling,
+        logprobs, drafts, beam bookkeeping) ends that request with an error output and the step
+        goes on; only a failure of the step itself (the executor, a worker, the device) raises."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        failed: dict[str, str] = {}  # internal sequence ID -> why it failed this step
         if self.proposer is not None:
-            self._propose_drafts()
+            self._propose_drafts(failed)
         sched = self.scheduler.schedule()
         constrained = self.structured_output.has_matchers
         if constrained:
             sched.grammar = self.structured_output.grammar_bitmask(
-                s.request_id for s in sched.scheduled if s.needs_sample)
+                (s.request_id for s in sched.scheduled if s.needs_sample), failed)
         runner_out = self.executor.execute_model(sched)
-        outputs: list[EngineOutput] = []
+        failed.update(runner_out.failed)
         finished_rounds: list[BeamSearch] = []
         now = time.monotonic()
         for s in sched.scheduled:
-            request = self.scheduler.requests[s.request_id]
-            request.draft_token_ids = []
-            if request.num_computed_tokens + s.num_tokens <= request.num_prompt_tokens:
-                self.num_prompt_tokens_total += s.num_tokens
-            if s.request_id in runner_out.prompt_logprobs:
-                self._record_prompt_logprobs(request, *runner_out.prompt_logprobs[s.request_id])
-            if not s.needs_sample:
-                request.num_computed_tokens += s.num_tokens
-                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            request = self.scheduler.requests.get(s.request_id)
+            if request is None:  # a sibling failed earlier in this step and took it along
                 continue
-            search = self.beams.get(request.parent_id) if self.beams else None
-            if search is not None:  # a beam's one-token child (no drafts): its logprobs are the candidates
-                request.num_computed_tokens += s.num_tokens
-                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)  # for the next round
-                self.num_generation_tokens_total += 1
-                self._finish(request, FinishReason.LENGTH)
-                if search.record(request.request_id, runner_out.logprobs[s.request_id][0]):
-                    finished_rounds.append(search)
+            if s.request_id in failed:
+                outputs.extend(self._fail_request(request.parent_id, failed[s.request_id]))
                 continue
-            first = request.num_output_tokens == 0
-            new_tokens, reason = [], None
-            for token_id in runner_out.sampled_token_ids[s.request_id]:
-                request.append_output_token(token_id)
-                new_tokens.append(token_id)
-                reason = self._check_stop(request, token_id)
-                if constrained and reason is None:  # every token the sequence keeps advances its grammar
-                    reason = self._advance_grammar(request, token_id)
-                if reason is not None:
-                    break
-            # The KV cache now holds every scheduled token but the rejected drafts.
-            rejected = s.num_draft_tokens - (len(runner_out.sampled_token_ids[s.request_id]) - 1)
-            request.num_computed_tokens += s.num_tokens - rejected
-            self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
-                                                              request.num_tokens))
-            self.num_generation_tokens_total += len(new_tokens)
-            self.num_draft_tokens_total += s.num_draft_tokens
-            self.num_accepted_tokens_total += s.num_draft_tokens - rejected
-            if first:
-                request.first_token_time = now
-            logprobs = runner_out.logprobs.get(s.request_id)
-            outputs.append(EngineOutput(
-                request_id=request.parent_id, index=request.index, new_token_ids=new_tokens,
-                new_logprobs=logprobs[:len(new_tokens)] if logprobs is not None else None,
-                finish_reason=reason, stop_reason=request.stop_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
-                else None))
-            if reason is not None:
-                self._finish(request, reason)
-                self._forget_child(request)
+            try:
+                self._update(request, s, runner_out, constrained, now, outputs, finished_rounds)
+            except Exception as error:  # noqa: BLE001 -- this request's bookkeeping: it alone ends
+                logger.exception("Updating request %r failed", request.parent_id)
+                outputs.extend(self._fail_request(request.parent_id, _failure_message(error)))
         for search in finished_rounds:
-            if search.advance():
-                outputs.extend(search.outputs())
-                del self.beams[search.request_id], self.children[search.request_id]
-            else:
-                self._start_beam_round(search)
+            if self.beams.get(search.request_id) is not search:  # it failed meanwhile
+                continue
+            try:
+                if search.advance():
+                    outputs.extend(search.outputs())
+                    del self.beams[search.request_id], self.children[search.request_id]
+                else:
+                    self._start_beam_round(search)
+            except Exception as error:  # noqa: BLE001
+                logger.exception("Beam search %r failed", search.request_id)
+                outputs.extend(self._fail_request(search.request_id, _failure_message(error)))
         return outputs
 
+    def _update(self, request: Request, s, runner_out, constrained: bool, now: float,
+                outputs: list[EngineOutput], finished_rounds: list[BeamSearch]) -> None:
+        """Apply one scheduled request's step results: computed tokens, sampled tokens, stops."""
+        request.draft_token_ids = []
+        if request.num_computed_tokens + s.num_tokens <= request.num_prompt_tokens:
+            self.num_prompt_tokens_total += s.num_tokens
+        if s.request_id in runner_out.prompt_logprobs:
+            self._record_prompt_logprobs(request, *runner_out.prompt_logprobs[s.request_id])
+        if not s.needs_sample:
+            request.num_computed_tokens += s.num_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            return
+        search = self.beams.get(request.parent_id) if self.beams else None
+        if search is not None:  # a beam's one-token child (no drafts): its logprobs are the candidates
+            request.num_computed_tokens += s.num_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)  # for the next round
+            self.num_generation_tokens_total += 1
+            self._finish(request, FinishReason.LENGTH)
+            if search.record(request.request_id, runner_out.logprobs[s.request_id][0]):
+                finished_rounds.append(search)
+            return
+        first = request.num_output_tokens == 0
+        new_tokens, reason = [], None
+        for token_id in runner_out.sampled_token_ids[s.request_id]:
+            request.append_output_token(token_id)
+            new_tokens.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if constrained and reason is None:  # every token the sequence keeps advances its grammar
+                reason = self._advance_grammar(request, token_id)
+            if reason is not None:
+                break
+        # The KV cache now holds every scheduled token but the rejected drafts.
+        rejected = s.num_draft_tokens - (len(runner_out.sampled_token_ids[s.request_id]) - 1)
+        request.num_computed_tokens += s.num_tokens - rejected
+        self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
+                                                          request.num_tokens))
+        self.num_generation_tokens_total += len(new_tokens)
+        self.num_draft_tokens_total += s.num_draft_tokens
+        self.num_accepted_tokens_total += s.num_draft_tokens - rejected
+        if first:
+            request.first_token_time = now
+        logprobs = runner_out.logprobs.get(s.request_id)
+        outputs.append(EngineOutput(
+            request_id=request.parent_id, index=request.index, new_token_ids=new_tokens,
+            new_logprobs=logprobs[:len(new_tokens)] if logprobs is not None else None,
+            finish_reason=reason, stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
+            else None))
+        if reason is not None:
+            self._finish(request, reason)
+            self._forget_child(request)
+
     def _start_beam_round(self, search: BeamSearch) -> None:
-        children = search.next_children(self.eos_token_id)
+        children = search.next_children(self.eos_token_id, self._new_sequence_id)
         self.children[search.request_id] = [child.request_id for child in children]
         for child in children:
             self.scheduler.add_request(child)
@@ -277,7 +356,7 @@ class LLMEngine:
             return FinishReason.ABORT
         return FinishReason.STOP if complete else None
 
-    def _propose_drafts(self) -> None:
+    def _propose_drafts(self, failed: dict[str, str]) -> None:
         """Give each decoding request n-gram drafts for this step (see backend/spec_decode.py).
 
         Structured-output and beam-search sequences get none: a grammar's mask is filled for
@@ -296,7 +375,11 @@ class LLMEngine:
             room = self.config.max_model_len - request.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            request.draft_token_ids = self.proposer.propose(request.all_token_ids, room)
+            try:
+                request.draft_token_ids = self.proposer.propose(request.all_token_ids, room)
+            except Exception as error:  # noqa: BLE001 -- no drafts, and the request ends after this step
+                logger.exception("Drafting for request %r failed", request.parent_id)
+                failed[request.request_id] = _failure_message(error)
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, logprobs: list) -> None:
         """Append logprobs of prompt tokens first_pos.. (a recomputed chunk is already there)."""
@@ -407,6 +490,8 @@ class AsyncLLMEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # the request failed inside the engine; the rest goes on
+                    raise RequestFailedError(item.error)
                 if item.finished:
                     remaining -= 1
                 yield item
@@ -448,7 +533,7 @@ class AsyncLLMEngine:
         for args in adds:
             try:
                 self.engine.add_request(*args)
-            except InvalidRequestError as e:
+            except (InvalidRequestError, RequestFailedError) as e:  # that request's own fault
                 errors.append((args[0], e))
         self.engine.abort_request(aborts)
         expired = self.engine.abort_expired()

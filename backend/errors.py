@@ -35,5 +35,10 @@ class RequestTimeoutError(TandemError):
     """The request did not finish before its deadline (gRPC DEADLINE_EXCEEDED, HTTP 504)."""
 
 
+class RequestFailedError(TandemError, RuntimeError):
+    """One request failed inside the engine (its grammar, sampling, logprobs or drafts raised);
+    that request ends, the engine and every other request go on (gRPC INTERNAL, HTTP 500)."""
+
+
 class WorkerDiedError(EngineDeadError):
     """A worker process (or Ray actor) died or failed: the engine cannot step any more."""

@@ -38,6 +38,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request ID -> (first prompt position covered, logprobs of prompt tokens from there)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # request ID -> why its sampling or logprobs failed this step (it has no entry above); the
+    # engine ends that request alone
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -293,34 +296,92 @@ class ModelRunner:
 
         for s, first, count, start in inputs.prompt_rows:
             targets = s.prompt_token_ids[start + 1:start + 1 + count]
-            out.prompt_logprobs[s.request_id] = (start + 1, compute_prompt_logprobs(
-                logits[first:first + count], targets, s.sampling_params.prompt_logprobs))
+            try:
+                out.prompt_logprobs[s.request_id] = (start + 1, compute_prompt_logprobs(
+                    logits[first:first + count], targets, s.sampling_params.prompt_logprobs))
+            except Exception as error:  # noqa: BLE001 -- this request's alone (see _request_failure)
+                out.failed[s.request_id] = _request_failure(error, "prompt logprobs")
 
         if inputs.sample_rows:
             index = [i for _, i, _ in inputs.sample_rows]
             if index != list(range(len(inputs.logits_rows))):
                 logits = logits.index_select(0, torch.tensor(index, device=self.device))
-            rows = [SamplingRow(params=s.sampling_params, prompt_token_ids=s.prompt_token_ids,
-                                output_token_ids=_history(s, j), eos_token_id=s.eos_token_id,
-                                generator=self._generator(s))
-                    for s, _, j in inputs.sample_rows]
-            allowed = None
-            if sched.grammar is not None:  # structured outputs: only then is there work here
-                # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.
-                allowed = sched.grammar.for_sampler_rows([s.request_id for s, _, _ in inputs.sample_rows])
-            sampled = self.sampler(logits, rows, allowed)
-            start = 0
-            while start < len(rows):  # one request's rows are consecutive
-                s = inputs.sample_rows[start][0]
-                end = start + s.num_draft_tokens + 1
-                tokens = sampled.token_ids[start:end]
-                if s.num_draft_tokens:
-                    tokens = accept_drafts(s.token_ids[-s.num_draft_tokens:], tokens)
-                out.sampled_token_ids[s.request_id] = tokens
-                if s.sampling_params.wants_logprobs:
-                    out.logprobs[s.request_id] = sampled.logprobs[start:start + len(tokens)]
-                start = end
+            self._sample(logits, inputs.sample_rows, sched.grammar, out)
         return out
+
+    def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[ScheduledRequest, int, int]],
+                grammar, out: ModelRunnerOutput) -> None:
+        """Sample every request's rows at once (logits: [num_sample_rows, vocab]); should that
+        raise, sample request by request, so one request's failure (its parameters, seed, grammar
+        mask, drafts) lands in ``out.failed`` and every other request still gets its tokens."""
+        groups: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, row count)
+        start = 0
+        while start < len(sample_rows):  # one request's rows are consecutive
+            s = sample_rows[start][0]
+            groups.append((s, start, s.num_draft_tokens + 1))
+            start += s.num_draft_tokens + 1
+        allowed = None
+        if grammar is not None:  # structured outputs: only then is there work here
+            # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.
+            allowed = grammar.for_sampler_rows([s.request_id for s, _, _ in sample_rows])
+        try:
+            rows = [self._sampling_row(s, j) for s, _, j in sample_rows]
+            sampled = self.sampler(logits, rows, allowed)
+            for s, first, count in groups:
+                self._take_tokens(s, sampled, first, count, out)
+            return
+        except Exception as error:  # noqa: BLE001
+            if _is_device_fault(error):
+                raise
+            logger.warning("Sampling the batch failed (%s: %s); sampling request by request",
+                           type(error).__name__, error)
+        out.sampled_token_ids.clear()
+        out.logprobs.clear()
+        for s, first, count in groups:
+            try:
+                rows = [self._sampling_row(s, j) for j in range(count)]
+                sub_allowed = allowed.subset(first, count) if allowed is not None else None
+                sampled = self.sampler(logits[first:first + count], rows, sub_allowed)
+                self._take_tokens(s, sampled, 0, count, out)
+            except Exception as error:  # noqa: BLE001
+                if _is_device_fault(error):
+                    raise
+                out.sampled_token_ids.pop(s.request_id, None)
+                out.logprobs.pop(s.request_id, None)
+                out.failed[s.request_id] = _request_failure(error, "sampling")
+
+    def _sampling_row(self, s: ScheduledRequest, draft_offset: int) -> SamplingRow:
+        return SamplingRow(params=s.sampling_params, prompt_token_ids=s.prompt_token_ids,
+                           output_token_ids=_history(s, draft_offset), eos_token_id=s.eos_token_id,
+                           generator=self._generator(s))
+
+    @staticmethod
+    def _take_tokens(s: ScheduledRequest, sampled, first: int, count: int, out: ModelRunnerOutput) -> None:
+        """Record one request's tokens from its ``count`` sampled rows starting at ``first``."""
+        tokens = sampled.token_ids[first:first + count]
+        if s.num_draft_tokens:
+            tokens = accept_drafts(s.token_ids[-s.num_draft_tokens:], tokens)
+        out.sampled_token_ids[s.request_id] = tokens
+        if s.sampling_params.wants_logprobs:
+            out.logprobs[s.request_id] = sampled.logprobs[first:first + len(tokens)]
+
+
+def _is_device_fault(error: BaseException) -> bool:
+    """A failure of the device rather than of one request's inputs: out of memory, or a CUDA
+    error (after which the context is unusable). These stop the engine; others end one request."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return "CUDA error" in str(error) or "device-side assert" in str(error)
+
+
+def _request_failure(error: BaseException, stage: str) -> str:
+    if _is_device_fault(error):
+        raise error
+    logger.warning("A request's %s failed: %s: %s", stage, type(error).__name__, error)
+    return f"The request's {stage} failed inside the engine: {type(error).__name__}: {error}"
 
 
 def _history(s: ScheduledRequest, draft_offset: int) -> list[int]:

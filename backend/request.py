@@ -266,6 +266,10 @@ class EngineOutput:
     num_cached_tokens: int = 0
     # Sent once, with the sequence's first delta; position 0 is None.
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+    # Set (with finish_reason ABORT) when the request failed inside the engine: what went wrong.
+    # Every unfinished sequence of that request gets one; ``AsyncLLMEngine`` raises it as a
+    # ``RequestFailedError``.
+    error: Optional[str] = None
 
     @property
     def finished(self) -> bool:

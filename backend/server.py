@@ -52,7 +52,8 @@ from backend import grpc_logs
 from backend.auth import TOKEN_ENV, ServerSecurity
 from backend.config import EngineConfig
 from backend.engine import AsyncLLMEngine
-from backend.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestTimeoutError, TandemError
+from backend.errors import (EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError,
+                            RequestTimeoutError, TandemError)
 from backend.limits import BACKEND_LIMITS, Limits
 from backend.metrics import EngineMetrics
 from backend.ports import check_port_free, port_error
@@ -94,6 +95,7 @@ _STATUS_OF_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (BackendShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (RequestTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (RequestFailedError, grpc.StatusCode.INTERNAL),  # one request failed in the engine; it goes on
 )
 
 

@@ -117,6 +117,13 @@ class TokenBitmask:
     bitmask: torch.Tensor  # [num_rows, ceil(vocab / 32)] int32
     rows: torch.Tensor  # [num_rows] int64
 
+    def subset(self, first: int, count: int) -> Optional["TokenBitmask"]:
+        """The mask of sampler rows ``first .. first + count - 1``, renumbered from 0 (None: none)."""
+        keep = ((self.rows >= first) & (self.rows < first + count)).nonzero().squeeze(1)  # [k]
+        if not keep.numel():
+            return None
+        return TokenBitmask(self.bitmask[keep], self.rows[keep] - first)
+
     def apply_(self, logits: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place. logits: [num_sampler_rows, vocab]."""
         num_rows, vocab_size = self.bitmask.shape[0], logits.shape[1]
@@ -205,8 +212,12 @@ class StructuredOutputManager:
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
 
-    def grammar_bitmask(self, sampling_request_ids: Iterable[str]) -> Optional[GrammarBitmask]:
-        """Fill the allowed tokens of the constrained ones among ``sampling_request_ids``."""
+    def grammar_bitmask(self, sampling_request_ids: Iterable[str],
+                        failed: dict[str, str]) -> Optional[GrammarBitmask]:
+        """Fill the allowed tokens of the constrained ones among ``sampling_request_ids``.
+
+        A matcher that raises is that request's failure alone: its ID goes into ``failed`` (with
+        the reason), it gets no row, and the engine ends it after the step."""
         constrained = [rid for rid in sampling_request_ids if rid in self._matchers]
         if not constrained:
             return None
@@ -214,10 +225,19 @@ class StructuredOutputManager:
 
         if self._bitmask is None or self._bitmask.shape[0] < len(constrained):
             self._bitmask = xgrammar.allocate_token_bitmask(max(len(constrained), 8), self.vocab_size)
-        bitmask = self._bitmask[:len(constrained)]
-        for row, request_id in enumerate(constrained):
-            self._matchers[request_id].fill_next_token_bitmask(self._bitmask, row)
-        return GrammarBitmask(bitmask, {rid: row for row, rid in enumerate(constrained)})
+        row_of_request: dict[str, int] = {}
+        for request_id in constrained:
+            row = len(row_of_request)
+            try:
+                self._matchers[request_id].fill_next_token_bitmask(self._bitmask, row)
+            except Exception as error:  # noqa: BLE001 -- one grammar's fault ends only its request
+                logger.exception("Filling the grammar mask of %r failed", request_id)
+                failed[request_id] = f"The request's structured-output grammar failed: {type(error).__name__}: {error}"
+                continue
+            row_of_request[request_id] = row
+        if not row_of_request:
+            return None
+        return GrammarBitmask(self._bitmask[:len(row_of_request)], row_of_request)
 
     def accept(self, request_id: str, token_id: int) -> Optional[bool]:
         """Advance a sequence's matcher. None: not constrained; True: its text is complete (the

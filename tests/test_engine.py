@@ -30,8 +30,7 @@ def test_abort_mid_generation_frees_every_block(tiny_checkpoint):
     assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
     assert engine.scheduler.num_waiting > 0
     engine.abort_request(["r0", "r3", "n", "unknown-id"])
-    assert not {"r0", "r3"} & set(engine.scheduler.requests)
-    assert not [r for r in engine.scheduler.requests if r.startswith("n#")]
+    assert not {"r0", "r3", "n"} & {r.parent_id for r in engine.scheduler.requests.values()}
     engine.abort_request(["r1", "r2", "r4"])
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -89,13 +88,13 @@ def test_a_passed_deadline_aborts_the_request_and_frees_its_blocks(tiny_checkpoi
     for _ in range(3):
         engine.step()
     assert engine.abort_expired(now) == []  # nothing has expired yet
-    assert {"waiting#0", "waiting#1"} <= set(engine.scheduler.requests)
+    assert len(engine.sequence_ids("waiting")) == 2
 
     expired = engine.abort_expired(now + 0.1)
     assert sorted((o.request_id, o.index, o.finish_reason) for o in expired) == \
         [("waiting", 0, FinishReason.ABORT), ("waiting", 1, FinishReason.ABORT)]
     assert all(not o.new_token_ids for o in expired)
-    assert set(engine.scheduler.requests) == {"running", "no-deadline"}
+    assert {r.parent_id for r in engine.scheduler.requests.values()} == {"running", "no-deadline"}
     engine.abort_request(["running", "no-deadline"])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -108,7 +107,7 @@ def test_a_reused_request_id_keeps_its_own_deadline(tiny_checkpoint):
         engine.step()
     engine.add_request("r", [4, 5, 6], SamplingParams(max_tokens=50), deadline=now + 100)
     assert engine.abort_expired(now + 2) == []  # the first request's deadline is not the second's
-    assert "r" in engine.scheduler.requests
+    assert engine.sequence_ids("r")
 
 
 def test_sampling_limits_are_checked_before_queueing(tiny_checkpoint):
