@@ -140,6 +140,7 @@ def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Op
         return W8A8LinearMethod() if quantization == "w8a8" else Int8LinearMethod()
     if device.type == "cpu" and dtype == torch.bfloat16 and kernels.cpu.amx_available():
         return AmxLinearMethod()
-    if device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
         return OneDnnLinearMethod()
-    return LinearMethod()
+    return LinearMethod()  # e.g. bf16 on a CPU without AVX-512: oneDNN's bf16 reorder refuses it
