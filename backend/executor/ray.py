@@ -3,7 +3,8 @@
 Ray is the cluster layer: it places the actors (one placement-group bundle each: a GPU, or a CPU
 on CPU-only clusters), starts them on whichever nodes have room, and reports their deaths. The
 engine connects to the cluster this process already joined (``ray.init``), else to the one
-``RAY_ADDRESS`` or a local ``ray start`` names, else starts a local one. Ranks are ordered by
+``RAY_ADDRESS`` or a local ``ray start`` names, else starts a local one (on a thread of its own,
+and ends it after the last Ray engine: see ray_connection.py). Ranks are ordered by
 node, so a tensor-parallel group stays on one machine when it fits; rank 0's node hosts the
 torch.distributed rendezvous. Each step's message is the same delta as the ``mp`` executor's.
 
@@ -23,6 +24,7 @@ from backend.config import EngineConfig
 from backend.distributed import get_parallel_state, output_rank
 from backend.errors import InvalidRequestError
 from backend.executor.base import Executor
+from backend.executor.ray_connection import RayConnection, connect_ray
 from backend.executor.step_delta import StepDecoder, StepEncoder
 from backend.model_runner import ModelRunnerOutput
 from backend.scheduler import SchedulerOutput
@@ -102,10 +104,8 @@ class RayExecutor(Executor):
         self.encoder = StepEncoder()
         self.actors: list[Any] = []
         self._stopping = False
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
         self._placement_group, self._owns_placement_group = None, False
+        self._connection: RayConnection = connect_ray(ray)
         try:
             self._start_actors()
             self.collective_rpc("load_model")
@@ -208,16 +208,18 @@ class RayExecutor(Executor):
             return
         self._stopping = True
         ray = self.ray
-        if self.failure is None and self.actors:
-            try:  # let the workers leave torch.distributed cleanly
-                ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors), timeout=10)
-            except Exception:
-                pass
-        for actor in self.actors:
-            ray.kill(actor)
-        if self._owns_placement_group and self._placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
+        try:
+            if self.failure is None and self.actors:
+                try:  # let the workers leave torch.distributed cleanly
+                    ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors),
+                             timeout=10)
+                except Exception:
+                    pass
+            for actor in self.actors:
+                ray.kill(actor)
+            if self._owns_placement_group and self._placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self._placement_group)
-        if self._owns_ray:
-            ray.shutdown()
+                remove_placement_group(self._placement_group)
+        finally:  # ends Ray if Tandem started it and no other engine uses it
+            self._connection.release()
