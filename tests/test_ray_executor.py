@@ -63,6 +63,27 @@ def test_tp2_across_two_nodes_equals_one_worker(two_nodes, tiny_checkpoint, arch
         assert run_engine(engine, prompts, GREEDY) == expected
     finally:
         engine.shutdown()
+    assert ray.is_initialized()  # this process's own connection: Tandem leaves it up
+
+
+def test_a_cluster_named_by_ray_address_outlives_its_engine(two_nodes, tiny_checkpoint, monkeypatch):
+    """Tandem connects through RAY_ADDRESS (from a thread of its own) and disconnects with its
+    last engine; the cluster, which it did not start, stays up."""
+    model_dir = tiny_checkpoint("llama")
+    ray.shutdown()  # this process leaves the cluster, so the engine connects by itself
+    monkeypatch.setenv("RAY_ADDRESS", two_nodes.address)
+    try:
+        engine = make_engine(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+        try:
+            assert ray.is_initialized() and len(set(engine.executor.node_ids)) == 2
+            assert run_engine(engine, [[1, 2, 3]], GREEDY)[0]
+        finally:
+            engine.shutdown()
+        assert not ray.is_initialized()  # Tandem's connection ended with its engine ...
+        assert two_nodes.head_node.remaining_processes_alive()  # ... and the cluster did not
+    finally:
+        ray.init(address=two_nodes.address, include_dashboard=False, log_to_driver=False)
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
 
 
 @pytest.mark.slow
