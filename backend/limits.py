@@ -44,6 +44,12 @@ class Limits:
     max_concurrent_requests: int = 2048  # frontend: generation requests being answered
     max_num_queued_requests: int = 1024  # backend: sequences waiting beyond the max_num_seqs running
     retry_after_s: int = 1  # the Retry-After a refused client is told
+    # ---- the HTTP edge, before admission (frontend; see frontend/middleware.py) ----
+    http_header_timeout_s: int = 10  # a request's head must arrive whole within this (else 408, closed)
+    http_body_timeout_s: int = 60  # a request's body must arrive whole within this of its head (else 408)
+    max_pending_connections: int = 1024  # connections awaiting a request's head; beyond, the oldest is closed
+    max_unauthenticated_requests: int = 64  # requests answered without a verified API key (open routes, 401s)
+    max_concurrent_body_reads: int = 512  # requests whose body is still arriving (past the key check)
     # ---- transport ----
     max_grpc_message_bytes: int = 16 * 1024 * 1024  # each gRPC message, both directions, both ends
 
@@ -131,12 +137,23 @@ _HELP = {
     "max_num_queued_requests": "sequences that may wait beyond the max_num_seqs running; "
                                "more get RESOURCE_EXHAUSTED (HTTP 429)",
     "retry_after_s": "the Retry-After (seconds) sent with a 429",
+    "http_header_timeout_s": "seconds a connection may take to send a request's head (line and headers), "
+                             "from its opening or its last response; then 408 and closed",
+    "http_body_timeout_s": "seconds a request's body may take to arrive whole, from its head; then 408",
+    "max_pending_connections": "connections waiting for a request's head (new or idle); beyond, the one "
+                               "waiting longest is closed",
+    "max_unauthenticated_requests": "requests answered at once without a verified API key (/health, /metrics, "
+                                    "..., 401s); more get 429",
+    "max_concurrent_body_reads": "requests whose body is still arriving (after the API key check, before "
+                                 "admission); more get 429",
     "max_grpc_message_bytes": "largest gRPC message either way",
 }
 
 # The limits each process enforces, hence its flags (``tandem serve`` passes each its own).
 FRONTEND_LIMITS = ("max_n", "max_stop_sequences", "max_stop_sequence_length", "max_logprobs",
                    "max_logprob_token_ids", "max_cache_salt_length", "max_prompts_per_request", "max_sequences_per_request",
-                   "max_request_body_bytes", "request_timeout_s", "max_concurrent_requests", "retry_after_s", "max_grpc_message_bytes")
+                   "max_request_body_bytes", "request_timeout_s", "max_concurrent_requests", "retry_after_s", "max_grpc_message_bytes",
+                   "http_header_timeout_s", "http_body_timeout_s", "max_pending_connections",
+                   "max_unauthenticated_requests", "max_concurrent_body_reads")
 BACKEND_LIMITS = ("max_n", "max_stop_sequences", "max_logprobs", "max_logprob_token_ids", "max_cache_salt_length",
                   "max_request_id_length", "max_num_queued_requests", "max_grpc_message_bytes")

@@ -5,13 +5,14 @@
         [--tokenizer DIR] [--api-key KEY] [--served-model-name NAME]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
-/detokenize (all behind ``--api-key`` when set), and /health, /metrics,
-/version (always open). The request logic is in ``frontend.serving``; this
-module assembles the app: routes, API-key check, the one mapping of errors to
-OpenAI error JSON, request IDs and HTTP metrics, and the edge's bounds
-(``backend.limits``): a body over ``--max-request-body-bytes`` is a 413 before
-it is parsed, and a generation request beyond ``--max-concurrent-requests``
-in flight is a 429 with ``Retry-After`` before its body is read.
+/detokenize, ... (behind ``--api-key`` when set), and /health, /load, /metrics,
+/version, /docs, /openapi.json (always open: ``OPEN_ROUTES``). The request
+logic is in ``frontend.serving``; this module assembles the app: routes, the
+one mapping of errors to OpenAI error JSON, and the edge's middleware
+(``frontend.middleware``: metrics, request IDs, the API key before any body is
+read, the body's size and time bounds, then admission) with the bound on the
+wait for a request's head (``frontend.http_protocol``). Every bound is a
+setting of ``backend.limits``.
 
 Requests reach the backends through ``frontend.router.Router`` (one backend or
 many). On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import hmac
 import importlib.metadata
 import logging
 import os
@@ -34,37 +34,42 @@ import signal
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerFast
 
 from backend.auth import TOKEN_ENV  # read when --backend-auth-token is not given
 from backend.config import EngineConfig
-from backend.errors import InvalidRequestError, OverloadedError, TandemError
+from backend.errors import InvalidRequestError, TandemError
 from backend.limits import FRONTEND_LIMITS, Limits
 from backend.ports import check_port_free, port_error
 from backend.request import ModelInfo
 from frontend import protocol as P
 from frontend.cli import INSTANCE_ENV, INSTANCE_HEADER
 from frontend.engine_client import EngineClient
+from frontend.http_protocol import head_deadline_protocol
+from frontend.middleware import (
+    AdmissionMiddleware,
+    AuthenticationMiddleware,
+    BodyReaderMiddleware,
+    HttpMetrics,
+    MetricsMiddleware,
+    RequestIdMiddleware,
+)
 from frontend.router import DEFAULT_PREFIX_TOKENS, POLICIES, Router, parse_targets
 from frontend.serving import (
     HTTP_STATUS_CLIENT_CLOSED_REQUEST,
-    AuthenticationError,
     ClientDisconnectedError,
     OpenAIServing,
-    RequestTooLargeError,
     error_body,
     error_json_response,
     error_of_exception,
@@ -74,9 +79,7 @@ from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = b"x-request-id"
 API_KEY_ENV = "TANDEM_API_KEY"  # read when --api-key is not given (keeps the key out of `ps`)
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 def tandem_version() -> str:
@@ -84,174 +87,6 @@ def tandem_version() -> str:
         return importlib.metadata.version("tandem")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-# ---- middleware --------------------------------------------------------------------------------
-
-
-class HttpMetrics:
-    """The frontend's HTTP metrics, in a registry of their own (one app, one registry)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("tandem:http_requests", "HTTP requests answered, by route and status.",
-                                ["route", "method", "status"], registry=self.registry)
-        self.latency = Histogram("tandem:http_request_duration_seconds",
-                                 "Seconds from request to the end of the response (whole stream).",
-                                 ["route", "method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("tandem:http_requests_in_progress", "HTTP requests being answered.",
-                               registry=self.registry)
-        self.rejected = Counter("tandem:http_requests_rejected", "HTTP requests refused at the edge, by the "
-                                "limit they hit (before any work was queued).", ["limit"], registry=self.registry)
-
-
-class MetricsMiddleware:
-    """Counts every HTTP request by route (unknown paths as "other", to bound the labels) and status."""
-
-    def __init__(self, app: ASGIApp, metrics: HttpMetrics, routes: frozenset[str]) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in self.routes else "other"
-        status = HTTP_STATUS_CLIENT_CLOSED_REQUEST  # unless a response starts
-
-        async def send_and_record(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.metrics.in_flight.inc()
-        start = time.perf_counter()
-        try:
-            await self.app(scope, receive, send_and_record)
-        except Exception:
-            status = 500
-            raise
-        finally:
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
-            self.metrics.latency.labels(route, scope["method"]).observe(time.perf_counter() - start)
-
-
-async def _send_error(scope: Scope, receive: Receive, send: Send, error: TandemError, retry_after_s: int) -> None:
-    status, body = error_of_exception(error)
-    await error_json_response(status, body, retry_after_s)(scope, receive, send)
-
-
-class AdmissionMiddleware:
-    """Refuses a request to ``paths`` at once (429, ``Retry-After``) while ``limit`` are in flight.
-
-    In flight means until the response has ended, a stream included; counted
-    before the body is read, so a refused request costs next to nothing.
-    """
-
-    def __init__(self, app: ASGIApp, paths: frozenset[str], limit: int, retry_after_s: int,
-                 metrics: "HttpMetrics") -> None:
-        self.app, self.paths, self.limit, self.retry_after_s, self.metrics = app, paths, limit, retry_after_s, metrics
-        self.in_flight = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
-            await self.app(scope, receive, send)
-            return
-        if self.in_flight >= self.limit:
-            self.metrics.rejected.labels("max_concurrent_requests").inc()
-            await _send_error(scope, receive, send, OverloadedError(
-                f"The server is answering {self.limit} generation requests, its limit "
-                "(--max-concurrent-requests); retry later."), self.retry_after_s)
-            return
-        self.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight -= 1
-
-
-class BodySizeLimitMiddleware:
-    """Reads at most ``max_bytes`` of a request body; a larger one gets a 413 and is not parsed."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: "HttpMetrics") -> None:
-        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send, int(declared))
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # gone before the body arrived: let the app see it
-                chunks = None
-                first = message
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send, size)
-                return
-            if not message.get("more_body", False):
-                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                break
-        replayed = False
-
-        async def replay() -> Message:  # the whole body once, then the client's messages (disconnect)
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return first
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
-        self.metrics.rejected.labels("max_request_body_bytes").inc()
-        await _send_error(scope, receive, send, RequestTooLargeError(
-            f"The request body ({size} bytes or more) is larger than the server's limit of {self.max_bytes} "
-            "bytes (--max-request-body-bytes)."), 0)
-
-
-class RequestIdMiddleware:
-    """Echoes the client's X-Request-Id, or sends a new one, on every response."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = next((value for name, value in scope["headers"] if name == REQUEST_ID_HEADER), None)
-        request_id = given or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, request_id)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-def api_key_checker(api_key: Optional[str]):
-    """A dependency that raises ``AuthenticationError`` unless ``Authorization: Bearer <api_key>``."""
-    expected = api_key.encode() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not tell how much of the key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise AuthenticationError("Missing or invalid API key: send 'Authorization: Bearer <key>'.")
-
-    return check
 
 
 # ---- error handlers (every error leaves as OpenAI error JSON) -----------------------------------
@@ -296,6 +131,10 @@ def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
 # The routes that queue work on the engine: admission control counts these.
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+# The routes open without the API key (probes, metrics, the schema); none takes a body. Every
+# other path, unknown ones included, needs the key when one is set.
+OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
+                         "/openapi.json"})
 
 
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
@@ -317,17 +156,16 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     # /openapi.json and /docs describe exactly the request models the routes parse.
     app = FastAPI(title="Tandem", version=tandem_version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
-    protected = [Depends(api_key_checker(api_key))]
 
-    @app.post("/v1/completions", dependencies=protected)
+    @app.post("/v1/completions")
     async def completions(request: P.CompletionRequest, raw_request: Request) -> Response:
         return await serving.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions", dependencies=protected)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving.create_chat_completion(request, raw_request)
 
-    @app.post("/invocations", dependencies=protected, response_model=None)
+    @app.post("/invocations", response_model=None)
     async def invocations(raw_request: Request) -> Response:
         """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
         try:
@@ -341,21 +179,21 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
         raise InvalidRequestError("/invocations takes a chat completion body (with messages) or a completion "
                                   "body (with prompt).", param="messages")
 
-    @app.get("/v1/models", dependencies=protected)
+    @app.get("/v1/models")
     async def models() -> P.ModelList:
         return serving.models()
 
-    @app.get("/v1/models/{model_id:path}", dependencies=protected)
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> P.ModelCard:
         return serving.model_card(model_id)
 
     # Serialized by pydantic in one call: FastAPI's own encoding of a long token list takes
     # seconds on the event loop.
-    @app.post("/tokenize", dependencies=protected, response_model=P.TokenizeResponse)
+    @app.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(request: P.TokenizeRequest) -> Response:
         return Response((await serving.tokenize(request)).model_dump_json(), media_type="application/json")
 
-    @app.get("/tokenizer_info", dependencies=protected)
+    @app.get("/tokenizer_info")
     async def tokenizer_info() -> P.TokenizerInfoResponse:
         return serving.tokenizer_info()
 
@@ -363,7 +201,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def load() -> P.LoadResponse:
         return P.LoadResponse(server_load=serving.num_in_flight)
 
-    @app.post("/detokenize", dependencies=protected)
+    @app.post("/detokenize")
     async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
         return await serving.detokenize(request)
 
@@ -395,12 +233,23 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
         return P.VersionResponse(version=tandem_version())
 
     _install_error_handlers(app, limits.retry_after_s)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes, metrics=metrics)
+    # Added innermost first: a request meets them in the opposite order (frontend.middleware).
     app.add_middleware(AdmissionMiddleware, paths=GENERATION_ROUTES, limit=limits.max_concurrent_requests,
                        retry_after_s=limits.retry_after_s, metrics=metrics)
+    app.add_middleware(BodyReaderMiddleware, max_bytes=limits.max_request_body_bytes,
+                       timeout_s=limits.http_body_timeout_s, max_concurrent=limits.max_concurrent_body_reads,
+                       retry_after_s=limits.retry_after_s, skip_paths=OPEN_ROUTES, metrics=metrics)
+    app.add_middleware(AuthenticationMiddleware, api_key=api_key, open_paths=OPEN_ROUTES,
+                       max_unauthenticated=limits.max_unauthenticated_requests, retry_after_s=limits.retry_after_s,
+                       metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     # Added last, so outermost: it sees every response, 401s and 404s included.
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(route.path for route in app.routes))
+    # The bound on the wait for a request's head lives below ASGI: serve the app with
+    # ``uvicorn.Config(app, http=app.state.http_protocol)``.
+    app.state.http_protocol = head_deadline_protocol(
+        limits.http_header_timeout_s, limits.max_pending_connections,
+        on_close=lambda limit: metrics.rejected.labels(limit).inc())
     return app
 
 
@@ -412,10 +261,19 @@ class StartupError(TandemError):
 
 
 async def wait_for_backend(client, address: str, timeout: float) -> None:
-    """Poll the backend's health until it serves; ``timeout`` <= 0 waits as long as it takes."""
+    """Poll the backend's health until it serves; ``timeout`` <= 0 waits as long as it takes.
+
+    Raises ``StartupError`` at once when every backend refuses this frontend's token or TLS
+    settings (``Router.credentials_problem``): that will not pass by waiting, and the message
+    names the flag that fixes it.
+    """
     deadline = time.monotonic() + timeout
     announced = False
+    credentials_problem = getattr(client, "credentials_problem", lambda: None)
     while not await client.health():
+        problem = credentials_problem()
+        if problem is not None:
+            raise StartupError(f"Cannot use the backend at {address}. {problem}")
         if timeout > 0 and time.monotonic() > deadline:
             raise StartupError(f"The backend at {address} did not become healthy within {timeout:.0f} s.")
         if not announced:
@@ -487,7 +345,8 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
         app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()],
                          limits, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
-                                timeout_graceful_shutdown=shutdown_timeout, lifespan="off")
+                                timeout_graceful_shutdown=shutdown_timeout, lifespan="off",
+                                http=app.state.http_protocol)
         logger.info("Serving %s at http://%s:%d/v1 from the backends at %s (routing: %s).", model_info.model_name,
                     host, port, backend, routing)
         server = uvicorn.Server(config)
