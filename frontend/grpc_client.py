@@ -6,8 +6,10 @@ and status codes become typed errors (``error_from_status``, the one place):
 
     INVALID_ARGUMENT    -> InvalidRequestError (param from ``tandem-error-param``)
     RESOURCE_EXHAUSTED  -> BackendOverloadedError
+    UNAUTHENTICATED     -> BackendCredentialsError (its message names the flag to fix)
     UNAVAILABLE         -> BackendUnavailableError (also: connection refused,
-                           a unary call past its deadline)
+                           a unary call past its deadline); a failed TLS
+                           handshake: BackendCredentialsError
     DEADLINE_EXCEEDED   -> RequestTimeoutError (a Generate call past its deadline)
     anything else       -> BackendError
 
@@ -31,7 +33,7 @@ from typing import AsyncIterator, Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from backend.auth import AUTH_METADATA_KEY
+from backend.auth import AUTH_METADATA_KEY, TOKEN_ENV
 from backend.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestTimeoutError, TandemError
 from backend.limits import Limits
 from backend.request import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs, SamplingParams
@@ -45,6 +47,7 @@ HEALTH_TIMEOUT_S = 1.0
 # Reconnect within about a second of a restarted backend coming back (gRPC's default backoff
 # grows to two minutes, so a restarted backend would sit unused).
 RECONNECT_BACKOFF_MS = (100, 1000)  # initial, maximum
+CLOSED_AT_ONCE_LOG_INTERVAL_S = 10.0  # how often a backend that drops every connection is reported
 
 _FINISH_REASON_FROM_PROTO = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -70,12 +73,30 @@ class BackendOverloadedError(OverloadedError):
     """The backend's waiting queue is full; retry later or elsewhere (HTTP 429)."""
 
 
+class BackendCredentialsError(BackendUnavailableError, BackendError):
+    """The backend refuses this frontend's credentials: a wrong or missing token (UNAUTHENTICATED) or
+    a TLS handshake that failed. Retrying will not help until a flag changes; the message names it
+    (HTTP 503 to clients)."""
+
+
+TOKEN_HINT = (f"give the frontend the backend's --auth-token with --backend-auth-token (or ${TOKEN_ENV}); "
+              "it is missing or differs")
+TLS_HINT = ("check --backend-ssl-ca-certs (the CA that signed the backend's certificate), "
+            "--backend-ssl-server-name, and --backend-ssl-certfile/--backend-ssl-keyfile (mutual TLS) against the "
+            "backend's --ssl-* flags; a backend without TLS needs none of them")
+
+
 def error_from_status(error: grpc.aio.AioRpcError) -> TandemError:
     """The typed error for a failed call."""
     code, message = error.code(), error.details() or error.code().name
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         param = dict(error.trailing_metadata() or ()).get(ERROR_PARAM_METADATA_KEY)
         return InvalidRequestError(message, param=param)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return BackendCredentialsError(f"The backend refused this frontend's credentials (UNAUTHENTICATED: "
+                                       f"{message}): {TOKEN_HINT}.", code)
+    if code == grpc.StatusCode.UNAVAILABLE and "handshake failed" in message.lower():
+        return BackendCredentialsError(f"TLS with the backend failed ({message}): {TLS_HINT}.", code)
     if code == grpc.StatusCode.UNAVAILABLE:
         return BackendUnavailableError(f"Backend unavailable: {message}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -211,6 +232,7 @@ class GrpcEngineClient:
         self._verified = False  # the current connection's backend has the expected tokenizer
         self._verifying: Optional[asyncio.Future] = None
         self._mismatch: Optional[str] = None  # why the last check refused the backend
+        self._closed_at_once_logged = -float("inf")  # when a connection dropped at once was last reported
 
     def _connect(self) -> None:
         if self._channel is None:
@@ -326,7 +348,8 @@ class GrpcEngineClient:
 
     async def health(self) -> bool:
         """True when the backend answers SERVING within ``HEALTH_TIMEOUT_S`` and has the expected
-        tokenizer; False otherwise."""
+        tokenizer; False otherwise. Raises ``BackendCredentialsError`` when it refuses this
+        frontend's token or TLS settings: unlike an outage, that does not pass by itself."""
         self._connect()
         try:
             response = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S,
@@ -334,9 +357,37 @@ class GrpcEngineClient:
             if response.status != health_pb2.HealthCheckResponse.SERVING:
                 return False
             await asyncio.wait_for(self._check_backend(), HEALTH_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, TandemError, asyncio.TimeoutError):
+        except grpc.aio.AioRpcError as error:
+            failure = error_from_status(error)
+            if isinstance(failure, BackendCredentialsError):
+                raise failure from None
+            self._report_closed_at_once(error)
+            return False
+        except BackendCredentialsError:
+            raise
+        except (TandemError, asyncio.TimeoutError):
             return False
         return True
+
+    def _report_closed_at_once(self, error: grpc.aio.AioRpcError) -> None:
+        """Warn (every ``CLOSED_AT_ONCE_LOG_INTERVAL_S``) when the backend drops each connection as
+        soon as it opens: what a TLS backend does to a plaintext client, or a mutual-TLS one to a
+        client without a certificate. It could also be a passing fault, so this only warns."""
+        if "socket closed" not in (error.details() or "").lower():
+            return
+        now = time.monotonic()
+        if now - self._closed_at_once_logged < CLOSED_AT_ONCE_LOG_INTERVAL_S:
+            return
+        self._closed_at_once_logged = now
+        if not self.security.ssl_ca_certs:
+            hint = ("if it serves TLS, give --backend-ssl-ca-certs (and --backend-ssl-certfile/--backend-ssl-keyfile "
+                    "if it requires client certificates)")
+        elif not self.security.ssl_certfile:
+            hint = "if it requires client certificates (mutual TLS), give --backend-ssl-certfile/--backend-ssl-keyfile"
+        else:
+            hint = "check that the CA of the backend's --ssl-ca-certs signed --backend-ssl-certfile"
+        logger.warning("The backend at %s closes each connection as soon as it opens (%s): %s.", self.address,
+                       error.details(), hint)
 
     async def fetch_tokenizer(self, dest_dir: str | os.PathLike) -> Path:
         """Write the backend's tokenizer files into ``dest_dir`` (created if needed); return it.

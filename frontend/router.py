@@ -23,6 +23,9 @@ a backend failing two checks in a row (a busy one may miss one), or refusing a G
 UNAVAILABLE, is skipped, and taken back as soon as a check finds it SERVING. When no backend
 looks healthy, those that served before are still tried rather than failing the request unseen. A backend joining with a different model or
 tokenizer than the first one seen is refused (logged), since token IDs would mean other things.
+A backend that refuses this frontend's credentials (UNAUTHENTICATED, a failed TLS handshake) is
+skipped and logged as an error naming the flag to fix, again every 30 s while it lasts;
+``credentials_problem`` tells the frontend's startup when no backend is left to wait for.
 """
 
 from __future__ import annotations
@@ -36,16 +39,19 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
-from prometheus_client import generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from backend.errors import InvalidRequestError, TandemError
 from backend.request import EngineLoad, EngineOutput, ModelInfo, SamplingParams
-from frontend.grpc_client import BackendOverloadedError, BackendUnavailableError, GrpcEngineClient
+from frontend.grpc_client import (
+    BackendCredentialsError,
+    BackendOverloadedError,
+    BackendUnavailableError,
+    GrpcEngineClient,
+)
+from frontend.router_metrics import RouterCollector, merged_engine_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,7 @@ ADMIT_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 2.0
 METRICS_TIMEOUT_S = 5.0  # a backend's GetMetrics; one that is late is left out of that scrape
 RESOLVE_INTERVAL_S = 5.0
+CREDENTIALS_LOG_INTERVAL_S = 30.0  # a backend refusing our credentials is reported again this often
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,8 @@ class Backend:
     admitted: bool = False  # has served the reference model (so worth a try even when checks miss)
     failed_checks: int = 0  # health checks failed in a row
     refused: Optional[str] = None  # why it is never used (another model or tokenizer)
+    credentials_refused: Optional[str] = None  # why it refuses this frontend's token or TLS, while it does
+    credentials_logged_at: float = -float("inf")
     polled_load: int = 0  # running + waiting sequences at the last GetLoad
     in_flight: int = 0  # this frontend's requests on it now
     in_flight_at_poll: int = 0
@@ -345,6 +354,10 @@ class Router:
             if healthy and not backend.healthy:  # new, or back (perhaps restarted with another model)
                 backend.refused = None
                 await asyncio.wait_for(self._admit(backend), ADMIT_TIMEOUT_S)
+            backend.credentials_refused = None
+        except BackendCredentialsError as error:  # an operator's mistake: never only a debug line
+            healthy = False
+            self._credentials_refused(backend, str(error))
         except (TandemError, asyncio.TimeoutError) as error:
             healthy = False
             logger.debug("Backend %s check failed: %s", backend.address, error)
@@ -383,6 +396,24 @@ class Router:
                                f"{reference.max_model_len}, tokenizer {reference_fingerprint[:16]})")
             logger.error("Refusing backend %s: %s.", backend.address, backend.refused)
 
+    def _credentials_refused(self, backend: Backend, why: str) -> None:
+        """Take the backend out at once and say why, now and every ``CREDENTIALS_LOG_INTERVAL_S``."""
+        now = time.monotonic()
+        if why != backend.credentials_refused or now - backend.credentials_logged_at >= CREDENTIALS_LOG_INTERVAL_S:
+            logger.error("Backend %s: %s", backend.address, why)
+            backend.credentials_logged_at = now
+        backend.credentials_refused = why
+        backend.failed_checks = UNHEALTHY_AFTER_CHECKS  # no second try: it will refuse again
+        backend.healthy = False
+
+    def credentials_problem(self) -> Optional[str]:
+        """Why waiting for a backend is pointless: every backend known refuses this frontend's
+        credentials (and none is usable). None while some backend serves or may yet."""
+        backends = [backend for backend in self.backends.values() if not backend.retired]
+        if not backends or any(backend.usable or not backend.credentials_refused for backend in backends):
+            return None
+        return "; ".join(f"{backend.address}: {backend.credentials_refused}" for backend in backends)
+
     def _mark_down(self, backend: Backend, why: str) -> None:
         if backend.healthy:
             logger.warning("Backend %s is unavailable (%s); skipping it until it serves again.",
@@ -403,60 +434,13 @@ class Router:
             await backend.client.close()
         self.backends.clear()
 
-    # ---- metrics ---------------------------------------------------------------------------------
+    # ---- metrics (frontend.router_metrics) ------------------------------------------------------
 
     def collector(self) -> Collector:
         """A Prometheus collector of the router's state, read at scrape time."""
-        return _RouterCollector(self)
+        return RouterCollector(self)
 
     async def metrics_text(self) -> str:
         """The usable backends' engine metrics (``GetMetrics``) as one Prometheus text exposition,
-        every sample labelled with its ``backend`` address, so several backends' families merge
-        instead of repeating. A backend that fails or is late is left out (logged)."""
-        backends = [b for b in self.backends.values() if b.usable]
-        texts = await asyncio.gather(*(asyncio.wait_for(b.client.metrics_text(), METRICS_TIMEOUT_S)
-                                       for b in backends), return_exceptions=True)
-        families: dict[str, Metric] = {}
-        for backend, text in zip(backends, texts):
-            if isinstance(text, (TandemError, asyncio.TimeoutError)):
-                logger.warning("Could not fetch the metrics of backend %s: %s", backend.address,
-                               text or "timed out")
-                continue
-            if isinstance(text, BaseException):
-                raise text
-            for family in text_string_to_metric_families(text):
-                merged = families.setdefault(family.name, Metric(family.name, family.documentation,
-                                                                 family.type, family.unit))
-                merged.samples.extend(sample._replace(labels={**sample.labels, "backend": backend.address})
-                                      for sample in family.samples)
-        return generate_latest(_Families(list(families.values()))).decode()
-
-
-class _Families(Collector):
-    """Metric families already collected (what ``generate_latest`` renders)."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self._families)
-
-
-class _RouterCollector(Collector):
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily("tandem:router_requests", "Requests sent to each backend, by why it was "
-                                       "chosen (prefix, load, round-robin, least-loaded).",
-                                       labels=["backend", "reason"])
-        healthy = GaugeMetricFamily("tandem:router_backend_healthy", "1 while the backend takes requests.",
-                                    labels=["backend"])
-        load = GaugeMetricFamily("tandem:router_backend_load", "The backend's running + waiting sequences, "
-                                 "as the router estimates them.", labels=["backend"])
-        for backend in self._router.backends.values():
-            for reason, count in backend.requests.items():
-                requests.add_metric([backend.address, reason], count)
-            healthy.add_metric([backend.address], float(backend.usable))
-            load.add_metric([backend.address], backend.load)
-        yield from (requests, healthy, load)
+        every sample labelled with its ``backend`` address (``merged_engine_metrics``)."""
+        return await merged_engine_metrics([b for b in self.backends.values() if b.usable], METRICS_TIMEOUT_S)

@@ -8,6 +8,7 @@ no test waits on the background loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from typing import Optional
 
@@ -16,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend.errors import InvalidRequestError
 from backend.request import EngineLoad, EngineOutput, FinishReason, ModelInfo, SamplingParams
-from frontend.grpc_client import BackendOverloadedError, BackendUnavailableError
+import frontend.router
+from frontend.grpc_client import BackendCredentialsError, BackendOverloadedError, BackendUnavailableError
 from frontend.router import Router, Target, parse_targets, prefix_key
 
 MODEL = ModelInfo("tiny", 128, 384)
@@ -39,6 +41,7 @@ class FakeBackend:
         self.answers_when_unhealthy = False  # its health checks miss, yet it serves (a busy backend)
         self.num_running = 0  # what its GetMetrics reports
         self.metrics_error: Optional[Exception] = None
+        self.model_error: Optional[Exception] = None  # what GetModelInfo raises (health stays open)
 
     async def health(self) -> bool:
         return self.healthy
@@ -47,6 +50,8 @@ class FakeBackend:
         return EngineLoad(self.load, 0, 0.0)
 
     async def model_info(self) -> ModelInfo:
+        if self.model_error is not None:
+            raise self.model_error
         return self.model
 
     async def tokenizer_fingerprint(self) -> str:
@@ -425,3 +430,51 @@ def test_dns_targets_follow_the_names_addresses(monkeypatch):
     assert first == ["10.0.0.1:50051", "10.0.0.2:50051"]
     assert second == ["10.0.0.2:50051", "10.0.0.3:50051"] and closed
     assert third == second
+
+
+# ---- credentials refused ----------------------------------------------------------------------------
+
+
+def test_a_backend_refusing_our_credentials_is_skipped_reported_again_and_taken_back_once_fixed(caplog,
+                                                                                                monkeypatch):
+    refusal = BackendCredentialsError("The backend refused this frontend's credentials (UNAUTHENTICATED: "
+                                      "wrong token): give ... --backend-auth-token")
+    router, fakes = make_router(("a:1", "b:1"))
+    make_fake = router.client_factory
+
+    def refusing(address: str) -> FakeBackend:
+        fake = make_fake(address)
+        fake.model_error = refusal  # health is open; the first call that needs the token fails
+        return fake
+
+    router.client_factory = refusing
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+
+    async def scenario() -> None:
+        with caplog.at_level(logging.INFO, "frontend.router"):
+            await router.refresh()
+            assert not await router.health()
+            problem = router.credentials_problem()
+            assert problem is not None and "a:1" in problem and "b:1" in problem and "UNAUTHENTICATED" in problem
+            assert len(errors()) == 2 and all("--backend-auth-token" in line for line in errors())
+            await router.refresh()
+            assert len(errors()) == 2  # not every second...
+            monkeypatch.setattr(frontend.router, "CREDENTIALS_LOG_INTERVAL_S", 0.0)
+            await router.refresh()
+            assert len(errors()) == 4  # ...but again while it lasts
+            # One backend still starting up (unreachable): it may yet serve, so no verdict.
+            fakes["b:1"].model_error, fakes["b:1"].healthy = None, False
+            await refresh(router)
+            assert router.credentials_problem() is None and not await router.health()
+            fakes["b:1"].healthy = True  # up, with the right token
+            await router.refresh()
+            assert await router.health() and router.credentials_problem() is None
+            assert await send(router, [1, 2, 3]) == [1, 2]
+            assert serving(fakes, [1, 2, 3]) == ["b:1"]  # never the refusing one
+            fakes["a:1"].model_error = None  # fixed (its token changed back)
+            await router.refresh()
+            assert router.backends["a:1"].usable and router.backends["a:1"].credentials_refused is None
+
+    run(scenario())

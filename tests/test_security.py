@@ -1,5 +1,6 @@
 """The engine contract is default-deny: token auth (one interceptor, constant-time compare), TLS and
-mutual TLS, a loopback default bind, Abort scoped to its caller, health left open.
+mutual TLS, a loopback default bind, Abort scoped to its caller, health left open. A frontend whose
+token or TLS settings the backend refuses says so at once, naming the flag, and does not start.
 
 One backend per security setting, each on a tiny random Llama in process, on loopback. The
 certificates (a CA, a server certificate for 127.0.0.1/localhost, a client certificate) are made
@@ -11,6 +12,12 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -24,11 +31,14 @@ from backend.errors import InvalidRequestError
 from backend.request import SamplingParams
 from backend.server import BackendServer
 from backend.server import main as backend_main
-from frontend.grpc_client import BackendError, ChannelSecurity, GrpcEngineClient
-from helpers import LoopThread
+from frontend.api_server import StartupError, wait_for_backend
+from frontend.grpc_client import BackendCredentialsError, BackendError, ChannelSecurity, GrpcEngineClient, error_from_status
+from frontend.router import Router, parse_targets
+from helpers import LoopThread, free_port
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 TOKEN = "s3cret-token"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- certificates ---------------------------------------------------------------------------------
@@ -265,3 +275,83 @@ def test_settings_that_do_not_go_together_are_refused(certs):
         ServerSecurity(auth_token="")
     with pytest.raises(InvalidRequestError):
         ChannelSecurity(ssl_certfile=certs["client.pem"], ssl_keyfile=certs["client.key"])
+
+
+# ---- a frontend that cannot authenticate to its backend says so ---------------------------------
+
+
+def test_credential_failures_become_one_typed_error_naming_the_flag():
+    refused = error_from_status(grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(),
+                                                     grpc.aio.Metadata(), details="Missing or wrong token"))
+    assert isinstance(refused, BackendCredentialsError) and isinstance(refused, BackendError)
+    assert "UNAUTHENTICATED" in str(refused) and "--backend-auth-token" in str(refused)
+    handshake = error_from_status(grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+        details="failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Tls handshake failed"))
+    assert isinstance(handshake, BackendCredentialsError) and "--backend-ssl-ca-certs" in str(handshake)
+
+
+async def start_frontend_router(address: str, security: ChannelSecurity, timeout: float) -> Router:
+    """What the frontend does at startup (``frontend.api_server.run``): a router, then the wait."""
+    router = Router(parse_targets(address), client_factory=lambda a: GrpcEngineClient(a, security=security))
+    try:
+        await router.start()
+        await wait_for_backend(router, address, timeout)
+    finally:
+        await router.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_token_or_a_failed_tls_handshake_stops_the_startup_at_once(loop, engine, certs):
+    with Served(loop, engine, ServerSecurity(auth_token=TOKEN)) as address:
+        started = time.monotonic()
+        with pytest.raises(StartupError, match=r"UNAUTHENTICATED.*--backend-auth-token"):
+            asyncio.run(start_frontend_router(address, ChannelSecurity(), timeout=120))
+        assert time.monotonic() - started < 30  # not the 120 s --backend-timeout
+        asyncio.run(start_frontend_router(address, ChannelSecurity(auth_token=TOKEN), timeout=30))  # the fix
+    with Served(loop, engine, ServerSecurity()) as address:  # TLS asked of a backend without it
+        with pytest.raises(StartupError, match=r"TLS.*handshake.*--backend-ssl-ca-certs"):
+            asyncio.run(start_frontend_router(address, ChannelSecurity(ssl_ca_certs=certs["ca.pem"]), timeout=120))
+
+
+@pytest.mark.timeout(60)
+def test_a_backend_that_drops_every_connection_gets_a_warning_naming_the_tls_flags(loop, engine, certs, caplog):
+    """Plaintext to a TLS backend, or no client certificate for a mutual-TLS one, looks like a
+    connection dropped at once (it could pass, so the frontend keeps waiting), and says so."""
+    tls = ServerSecurity(ssl_certfile=certs["server.pem"], ssl_keyfile=certs["server.key"])
+    mutual = ServerSecurity(ssl_certfile=certs["server.pem"], ssl_keyfile=certs["server.key"],
+                            ssl_ca_certs=certs["ca.pem"])
+    for security, client_security, flag in (
+            (tls, ChannelSecurity(), "--backend-ssl-ca-certs"),
+            (mutual, ChannelSecurity(ssl_ca_certs=certs["ca.pem"]), "--backend-ssl-certfile")):
+        caplog.clear()
+        with Served(loop, engine, security) as address, caplog.at_level(logging.WARNING, "frontend.grpc_client"):
+            with pytest.raises(StartupError, match="did not become healthy"):
+                asyncio.run(start_frontend_router(address, client_security, timeout=2))
+        warnings = [r.getMessage() for r in caplog.records if "closes each connection" in r.getMessage()]
+        assert warnings and flag in warnings[0], caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_frontend_with_a_wrong_backend_token_says_so_within_10_s_and_exits(loop, engine, tmp_path):
+    """Acceptance: a frontend process started with a wrong backend token prints a line naming
+    UNAUTHENTICATED and the token flag, then exits 1, within 10 s of a baseline: the same process
+    failing at once after its imports (its port taken)."""
+    def frontend(address: str, port: int) -> tuple[int, str, float]:
+        env = {name: value for name, value in os.environ.items() if name != "TANDEM_API_KEY"}
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "frontend.api_server", "--backend", address, "--port",
+                                 str(port), "--backend-timeout", "600"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=90, env={**env, "TANDEM_GRPC_TOKEN": "wrong-token"})
+        return result.returncode, result.stdout + result.stderr, time.monotonic() - started
+
+    with Served(loop, engine, ServerSecurity(auth_token=TOKEN)) as address, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, output, baseline_s = frontend(address, taken.getsockname()[1])
+        assert code == 1 and "--port" in output, output
+        code, output, wrong_token_s = frontend(address, free_port())
+    assert code == 1, output
+    lines = [line for line in output.splitlines() if "UNAUTHENTICATED" in line and "--backend-auth-token" in line]
+    assert lines, output
+    assert wrong_token_s < baseline_s + 10, (baseline_s, wrong_token_s)
