@@ -8,8 +8,10 @@
     tandem healthcheck grpc HOST:PORT | http URL   exit 0 when healthy (container health checks)
 
 ``serve`` always runs the backend and the frontend as two processes joined by
-gRPC on loopback, so the split is exercised even on one machine. Engine flags
-are ``EngineConfig``'s, the same names as ``LLM(...)``'s keyword arguments.
+gRPC on loopback, so the split is exercised even on one machine; the two share
+a token (``--auth-token``, else a random one), so no other local user reaches
+the backend's port. Engine flags are ``EngineConfig``'s, the same names as
+``LLM(...)``'s keyword arguments.
 
 This module does not import torch; only ``generate`` (and ``backend``) pull it in.
 """
@@ -157,9 +159,11 @@ def serve(args: argparse.Namespace) -> int:
     frontend_env = {**os.environ, INSTANCE_ENV: instance_id}
     if args.api_key:
         frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+    # One trust domain: the backend's port takes only calls carrying this token, so another local
+    # user cannot reach the engine past the API key and the limits. Both ends read it from the
+    # environment (not the command line, where `ps` shows it).
     backend_env = dict(os.environ)
-    if args.auth_token:  # both ends read it from the environment, not the command line
-        backend_env[TOKEN_ENV] = frontend_env[TOKEN_ENV] = args.auth_token
+    backend_env[TOKEN_ENV] = frontend_env[TOKEN_ENV] = args.auth_token or secrets.token_urlsafe(32)
     # Both start at once: the frontend loads its libraries while the backend loads the model.
     backend = _Child("backend", backend_argv, backend_env)
     frontend = _Child("frontend", frontend_argv, frontend_env)
@@ -205,6 +209,9 @@ def healthcheck(args: argparse.Namespace) -> int:
             try:
                 return await asyncio.wait_for(client.health(), HEALTHCHECK_TIMEOUT_S)
             except asyncio.TimeoutError:
+                return False
+            except TandemError as error:  # e.g. a TLS backend (health itself needs no token)
+                print(f"error: {error}", file=sys.stderr)
                 return False
             finally:
                 await client.close()
@@ -260,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds running requests get to finish on SIGINT/SIGTERM")
     serve_parser.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV),
-                              help="a token the backend requires on its loopback gRPC port, so other local users "
-                                   "cannot use it (default: $TANDEM_GRPC_TOKEN)")
+                              help="the token the backend requires on its loopback gRPC port, so other local "
+                                   "users cannot use it (default: $TANDEM_GRPC_TOKEN, else a random one made "
+                                   "for this run)")
     Limits.add_cli_args(serve_parser, tuple(dict.fromkeys(FRONTEND_LIMITS + BACKEND_LIMITS)))
     serve_parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
                               help="format of tool calls in the model's replies (default: auto, from the "

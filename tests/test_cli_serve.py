@@ -19,16 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import grpc
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.grpc_client import GrpcEngineClient
+from frontend.grpc_client import ChannelSecurity, GrpcEngineClient
+from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "256"]
 STARTUP_TIMEOUT_S = 90
+# The module's serve gets this backend token (as $TANDEM_GRPC_TOKEN), so tests can call its gRPC port.
+GRPC_TOKEN = "serve-test-token"
 
 
 def free_port() -> int:
@@ -87,14 +91,19 @@ class Served:
                              max_retries=0, timeout=60)
 
 
-def start_serve(model_dir: Path, work_dir: Path) -> tuple[subprocess.Popen, Path, int, int, int]:
+def start_serve(model_dir: Path, work_dir: Path, *flags: str,
+                grpc_token: Optional[str] = GRPC_TOKEN) -> tuple[subprocess.Popen, Path, int, int, int]:
+    """``tandem serve`` with ``flags``; ``grpc_token`` as $TANDEM_GRPC_TOKEN (None: unset)."""
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     log = work_dir / f"serve-{port}.log"
     command = [sys.executable, "-m", "frontend.cli", "serve", str(model_dir), "--port", str(port),
-               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *ENGINE_FLAGS]
+               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *ENGINE_FLAGS, *flags]
+    env = {name: value for name, value in os.environ.items() if name not in ("TANDEM_GRPC_TOKEN", "TANDEM_API_KEY")}
+    if grpc_token is not None:
+        env["TANDEM_GRPC_TOKEN"] = grpc_token
     with open(log, "wb") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "TANDEM_CACHE": str(work_dir / "cache")})
+                                   env={**env, "TANDEM_CACHE": str(work_dir / "cache")})
     return process, log, port, grpc_port, metrics_port
 
 
@@ -242,7 +251,7 @@ def test_a_second_frontend_serves_from_the_same_backend(served, tmp_path):
         frontend = subprocess.Popen(
             [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{served.grpc_port}",
              "--port", str(port)], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, "TANDEM_CACHE": str(tmp_path / "cache")})
+            env={**os.environ, "TANDEM_CACHE": str(tmp_path / "cache"), "TANDEM_GRPC_TOKEN": GRPC_TOKEN})
     try:
         deadline = time.monotonic() + 60
         while http_status(f"http://127.0.0.1:{port}/health") != 200:
@@ -279,7 +288,7 @@ def test_cancelled_streams_free_the_backend(served):
     aborted_before = aborted_sequences(served)
 
     async def scenario() -> tuple:
-        engine = GrpcEngineClient(f"127.0.0.1:{served.grpc_port}")
+        engine = GrpcEngineClient(f"127.0.0.1:{served.grpc_port}", security=ChannelSecurity(auth_token=GRPC_TOKEN))
         started: set[int] = set()
 
         async def stream(http: httpx.AsyncClient, i: int) -> None:
@@ -333,6 +342,42 @@ def test_sigint_stops_both_children_and_exits_zero(tiny_checkpoint, tmp_path):
         assert http_status(f"http://127.0.0.1:{port}/health") is None
     finally:
         stop(process, signal.SIGKILL)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode(errors="replace").partition("=")[::2] for entry in entries if entry)
+
+
+@pytest.mark.timeout(STARTUP_TIMEOUT_S + 60)
+def test_serve_with_only_an_api_key_closes_its_grpc_port_to_callers_without_the_token(tiny_checkpoint, tmp_path):
+    """Acceptance: `tandem serve --api-key K` and no other flag; gRPC without credentials is
+    UNAUTHENTICATED. The token is made for the run and reaches both children by the environment."""
+    process, log, port, grpc_port, _ = start_serve(tiny_checkpoint("llama"), tmp_path, "--api-key", "K",
+                                                   grpc_token=None)
+    try:
+        wait_until_serving(process, log)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(engine_pb2.GenerateRequest(
+                    request_id="intruder", prompt_token_ids=[1, 2],
+                    sampling_params=engine_pb2.SamplingParams(max_tokens=2)), timeout=10))
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Its own frontend holds the token: the API works with the key.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="K", max_retries=0, timeout=60)
+        assert client.completions.create(model=str(tiny_checkpoint("llama")), prompt="Hi", max_tokens=2).choices
+        children = child_pids(process.pid)
+        tokens = {environ_of(pid).get("TANDEM_GRPC_TOKEN") for pid in children}
+        (token,) = tokens
+        assert len(children) == 2 and token and len(token) >= 32
+        for pid in children:  # never on a command line, where `ps` would show it
+            assert token not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    finally:
+        stop(process, signal.SIGINT)
 
 
 def test_a_dying_backend_stops_the_frontend_and_fails(tmp_path):
