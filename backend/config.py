@@ -23,6 +23,7 @@ EXECUTORS = ("uni", "mp", "ray", "external_launcher")
 QUANTIZATIONS = ("int8", "w8a8")  # int8 weights on the CPU (backend/models/linear_methods.py)
 # The KV cache's element type: auto = the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn, as vLLM's).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+MAX_GRAMMAR_COMPILE_WORKERS = 64  # each a process holding xgrammar (and torch)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -73,6 +74,10 @@ FIELD_HELP = {
     "speculative_config": 'speculative decoding by n-gram prompt lookup, vLLM\'s JSON, e.g. '
                           '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                           '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\' (default: off)',
+    "grammar_compile_timeout_s": "seconds a structured-output grammar may take to compile (in a worker "
+                                 "process, killed past it); then the request gets a 400",
+    "grammar_compile_workers": "worker processes compiling structured-output grammars at once "
+                               "(each ~300 MB; two or more, so one slow grammar never holds up another)",
 }
 
 
@@ -189,6 +194,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}
     speculative_config: Optional[dict] = None
+    # Structured outputs (backend/grammar_compiler.py). vLLM has no bound; 20 s is ~15x the slowest
+    # ordinary schema measured (1.2 s at a 49k vocabulary), room for a 256k vocabulary and a busy
+    # CPU, while a grammar bomb holds a worker no longer than that.
+    grammar_compile_timeout_s: float = 20.0
+    grammar_compile_workers: int = 2
 
     # Filled in by resolve().
     model_path: Optional[Path] = field(default=None, repr=False)
@@ -218,6 +228,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad("gpu_memory_utilization",
                 f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}.")
+        if not 0 < self.grammar_compile_timeout_s < float("inf"):
+            bad("grammar_compile_timeout_s",
+                f"grammar_compile_timeout_s must be positive and finite; got {self.grammar_compile_timeout_s}.")
+        if not 1 <= self.grammar_compile_workers <= MAX_GRAMMAR_COMPILE_WORKERS:
+            bad("grammar_compile_workers", f"grammar_compile_workers must be between 1 and "
+                f"{MAX_GRAMMAR_COMPILE_WORKERS}; got {self.grammar_compile_workers}.")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
         if self.quantization not in (None, *QUANTIZATIONS):

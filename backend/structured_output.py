@@ -4,10 +4,12 @@ A constrained request's life:
 
 1. ``SamplingParams.structured_outputs`` names one constraint (a JSON Schema, any
    JSON object, a regex, a choice of strings, an EBNF grammar).
-2. ``compile_async`` compiles it on a thread of its own, off the engine loop's
-   critical path, before the request is queued; compiled grammars are cached by
-   their spec. A spec that does not compile raises ``InvalidRequestError``
-   (gRPC INVALID_ARGUMENT, HTTP 400) before the first token.
+2. ``compile_async`` compiles it off the engine thread, before the request is
+   queued (``backend.grammar_compiler``: cached by spec, at most
+   ``grammar_compile_workers`` at once, each bounded by
+   ``grammar_compile_timeout_s``). A spec that does not compile in time, or at
+   all, raises ``InvalidRequestError`` (gRPC INVALID_ARGUMENT, HTTP 400) before
+   the first token.
 3. Each sequence gets its own matcher (``add``). Every step, before the model
    runs, ``grammar_bitmask`` fills one row of allowed tokens per constrained
    sequence that samples; the sampler sets every other token's logit to -inf
@@ -21,90 +23,17 @@ Nothing here runs while no request is constrained: the engine checks
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import re
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
 
-from backend.errors import InvalidRequestError
+from backend.config import EngineConfig
+from backend.grammar_compiler import GrammarCompiler
 from backend.request import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-# xgrammar's cache of compiled grammars, bounded in bytes.
-GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
-# xgrammar prefixes its messages with "[time] file.cc:line: "; users need only the rest.
-_XGRAMMAR_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-
-
-def _choice_grammar(choices: list[str]) -> str:
-    """EBNF whose sentences are exactly ``choices`` (JSON string escapes are GBNF's too)."""
-    import json
-
-    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-
-
-# xgrammar's rule for the characters of a string with minLength/maxLength lets control
-# characters through (a raw tab), which strict JSON parsers refuse; JSON strings exclude them.
-_LENGTH_STRING_CHARS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
-
-
-def _json_grammar(schema: str, any_whitespace: bool) -> str:
-    """The EBNF of JSON valid for ``schema`` (xgrammar's, strict mode), control characters kept out of strings."""
-    import xgrammar
-
-    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True))
-    return ebnf.replace(*_LENGTH_STRING_CHARS)
-
-
-class GrammarCompiler:
-    """Compiles ``StructuredOutputsParams`` for one tokenizer; thread-safe, cached.
-
-    The tokenizer's vocabulary is read on the first compile (about a second for
-    a 49k vocabulary), not at engine start.
-    """
-
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.tokenizer_path = tokenizer_path
-        self.vocab_size = vocab_size  # the model's (logits' width), which may exceed the tokenizer's
-        self.stop_token_ids = list(stop_token_ids)
-        self._compiler = None
-        self._lock = threading.Lock()
-
-    def _get_compiler(self):
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar
-                from transformers import PreTrainedTokenizerFast
-
-                tokenizer = PreTrainedTokenizerFast.from_pretrained(self.tokenizer_path, local_files_only=True)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
-                                                          cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-            return self._compiler
-
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        """An ``xgrammar.CompiledGrammar``; InvalidRequestError (param ``structured_outputs``) if it fails."""
-        compiler = self._get_compiler()
-        try:
-            if spec.json is not None or spec.json_object:
-                return compiler.compile_grammar(_json_grammar(spec.json or '{"type": "object"}',
-                                                              any_whitespace=not spec.disable_any_whitespace))
-            if spec.regex is not None:
-                return compiler.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return compiler.compile_grammar(_choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError) as error:
-            message = _XGRAMMAR_LOCATION.sub("", str(error).strip())
-            raise InvalidRequestError(f"Invalid structured_outputs.{spec.kind}: {message}",
-                                      param="structured_outputs") from None
 
 
 @dataclass
@@ -181,13 +110,15 @@ class GrammarViolation(RuntimeError):
 
 class StructuredOutputManager:
     """Compiled grammars and each constrained sequence's matcher. Matchers are touched only by
-    the engine thread; compiling runs on a pool of its own."""
+    the engine thread; compiling is ``self.compiler``'s (``backend.grammar_compiler``), off it."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.compiler = GrammarCompiler(tokenizer_path, vocab_size, stop_token_ids)
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
+                 compile_timeout_s: float = EngineConfig.grammar_compile_timeout_s,
+                 compile_workers: int = EngineConfig.grammar_compile_workers) -> None:
+        self.compiler = GrammarCompiler(tokenizer_path, vocab_size, stop_token_ids, compile_timeout_s,
+                                        compile_workers)
         self.vocab_size = vocab_size
         self._matchers: dict[str, Any] = {}  # request ID -> xgrammar.GrammarMatcher
-        self._pool: Optional[ThreadPoolExecutor] = None
         self._bitmask: Optional[torch.Tensor] = None  # reused across steps, grown as needed
 
     @property
@@ -195,13 +126,12 @@ class StructuredOutputManager:
         return bool(self._matchers)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar, blocking the caller (never call it on the engine thread while serving)."""
         return self.compiler.compile(spec)
 
     async def compile_async(self, spec: StructuredOutputsParams) -> Any:
-        """Compile on the grammar thread, so the engine keeps stepping meanwhile."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.compiler.compile, spec)
+        """The compiled grammar; the event loop and the engine keep running meanwhile."""
+        return await self.compiler.compile_async(spec)
 
     def add(self, request_id: str, compiled: Any) -> None:
         import xgrammar
@@ -252,5 +182,4 @@ class StructuredOutputManager:
         return matcher.is_terminated()
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.compiler.shutdown()

@@ -159,13 +159,13 @@ def test_async_engine_compiles_on_the_grammar_thread_and_reports_errors_first(ti
                                          num_kv_blocks=64, max_model_len=128))
     compiler = engine.engine.structured_output.compiler
     threads = []
-    original = compiler.compile
+    original = compiler._compile_bounded
 
-    def recording_compile(spec):
+    def recording_compile(*args):
         threads.append(threading.current_thread().name)
-        return original(spec)
+        return original(*args)
 
-    monkeypatch.setattr(compiler, "compile", recording_compile)
+    monkeypatch.setattr(compiler, "_compile_bounded", recording_compile)
 
     async def scenario():
         outs = [o async for o in engine.generate("a", [1, 2, 3], SamplingParams(
