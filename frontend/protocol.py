@@ -7,7 +7,8 @@ refused with a 400 naming them when set; an undeclared field is refused too.
 ``IGNORED_FIELDS`` are the few accepted without effect, as OpenAI metadata.
 Value ranges are not checked here: ``SamplingParams`` checks them and names the
 parameter, so the HTTP server and the offline ``LLM`` reject the same values
-with the same words.
+with the same words. Text is: any string in any request field (nested ones,
+dict keys included) that is not valid Unicode is refused naming the field.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator,
+                      model_serializer)
+
+from frontend.unicode_check import check_valid_unicode
 
 
 def _now() -> int:
@@ -23,7 +27,18 @@ def _now() -> int:
 
 
 class _Request(BaseModel):
+    """A request body (or a part of one): unknown fields are refused, and so is text that is not
+    valid Unicode, in every field of every request model (``frontend.unicode_check``)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        # A ValueError here becomes a 400 whose param is this field (a nested model's: its parent field).
+        field = cls.model_fields.get(info.field_name)
+        check_valid_unicode(value, (field.alias if field is not None else None) or info.field_name)
+        return value
 
 
 INT64 = Field(default=None, ge=-2**63, le=2**63 - 1)
