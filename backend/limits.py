@@ -52,9 +52,17 @@ class Limits:
     max_concurrent_body_reads: int = 512  # requests whose body is still arriving (past the key check)
     # ---- transport ----
     max_grpc_message_bytes: int = 16 * 1024 * 1024  # each gRPC message, both directions, both ends
+    # ---- a request's chat_template (frontend): refused unless trusted, then rendered in worker processes ----
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    chat_template_workers: int = 2  # worker processes rendering request templates
+    chat_template_timeout_s: int = 5  # wall time one rendering may take; then its worker is killed
+    max_chat_template_output_bytes: int = 32 * 1024 * 1024  # the rendered prompt, in UTF-8
+    max_chat_template_memory_bytes: int = 512 * 1024 * 1024  # address space a worker may grow by
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if isinstance(getattr(self, f.name), bool):  # a switch, not a bound
+                continue
             if getattr(self, f.name) < 1:
                 raise InvalidRequestError(f"{f.name} must be at least 1; got {getattr(self, f.name)}.",
                                           param=f.name)
@@ -147,12 +155,21 @@ _HELP = {
     "max_concurrent_body_reads": "requests whose body is still arriving (after the API key check, before "
                                  "admission); more get 429",
     "max_grpc_message_bytes": "largest gRPC message either way",
+    "trust_request_chat_template": "render a chat_template sent in a request (chat completions, /tokenize) in a "
+                                   "bounded worker process; off: such a request gets a 400",
+    "chat_template_workers": "worker processes that render request chat templates",
+    "chat_template_timeout_s": "seconds one request chat template may take to render; then its worker is "
+                               "killed and the request gets a 400",
+    "max_chat_template_output_bytes": "largest prompt a request chat template may render (UTF-8 bytes)",
+    "max_chat_template_memory_bytes": "memory (address space) a request chat template's worker may grow by",
 }
 
 # The limits each process enforces, hence its flags (``tandem serve`` passes each its own).
 FRONTEND_LIMITS = ("max_n", "max_stop_sequences", "max_stop_sequence_length", "max_logprobs",
                    "max_logprob_token_ids", "max_cache_salt_length", "max_prompts_per_request", "max_sequences_per_request",
                    "max_request_body_bytes", "request_timeout_s", "max_concurrent_requests", "retry_after_s", "max_grpc_message_bytes",
+                   "trust_request_chat_template", "chat_template_workers", "chat_template_timeout_s",
+                   "max_chat_template_output_bytes", "max_chat_template_memory_bytes",
                    "http_header_timeout_s", "http_body_timeout_s", "max_pending_connections",
                    "max_unauthenticated_requests", "max_concurrent_body_reads")
 BACKEND_LIMITS = ("max_n", "max_stop_sequences", "max_logprobs", "max_logprob_token_ids", "max_cache_salt_length",

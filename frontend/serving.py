@@ -5,7 +5,8 @@ A request's life here:
 1. Check the model name and the request's bounds (``backend.limits``: prompt
    count, n, stop strings, logprobs; a prompt too long for the context is
    refused before it is tokenized), tokenize (chat template for chat; big
-   inputs off the event loop, so one huge prompt never stalls the others),
+   inputs off the event loop, so one huge prompt never stalls the others; a
+   request's own chat template, where allowed, in ``frontend.template_sandbox``),
    check the context length with vLLM's wording, build ``SamplingParams``
    (which checks ranges).
 2. One engine request per prompt (``<id>-<i>`` for the i-th prompt of a
@@ -48,7 +49,8 @@ from backend.request import ModelInfo, PositionLogprobs, SamplingParams, Structu
 from frontend import protocol as P
 from frontend.engine_client import EngineClient
 from frontend.outputs import RequestOutputBuilder, TextDelta
-from frontend.tokenizer import decode_token, encode_prompt, render_chat
+from frontend.template_sandbox import sandbox_from_limits
+from frontend.tokenizer import decode_token, encode_prompt, prepare_chat, render_chat
 from frontend.tool_calls import (ToolReply, check_tools, choose_parser, constrained_tool_schema,
                                  messages_for_template, template_supports_tools)
 
@@ -108,7 +110,14 @@ _ERROR_TYPE_OF_STATUS = {
 def error_body(status: int, message: str, param: Optional[str] = None) -> P.ErrorResponse:
     status = HTTPStatus(status)
     error_type = _ERROR_TYPE_OF_STATUS.get(status, status.phrase.replace(" ", "") + "Error")
-    return P.ErrorResponse(error=P.ErrorInfo(message=message, type=error_type, param=param, code=status.value))
+    return P.ErrorResponse(error=P.ErrorInfo(message=_encodable(message), type=error_type,
+                                             param=None if param is None else _encodable(param), code=status.value))
+
+
+def _encodable(text: str) -> str:
+    """``text`` with any lone surrogate (an error quoting a client's JSON key) as a ``\\udxxx``
+    escape: the error itself must always be writable as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if not text.isascii() else text
 
 
 def error_of_exception(error: Exception) -> tuple[int, P.ErrorResponse]:
@@ -326,6 +335,15 @@ class OpenAIServing:
         max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = 2 * model_info.max_model_len * max(max_token_chars, 1)
         self._workers = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="tandem-tokenize")
+        # Request chat templates: None refuses them (vLLM's default); else they render in worker processes.
+        self.template_sandbox = sandbox_from_limits(self.limits)
+        if self.template_sandbox is not None:
+            self.template_sandbox.start()
+
+    def close(self) -> None:
+        """Stop the chat template workers (if any); the tokenizer threads end with the process."""
+        if self.template_sandbox is not None:
+            self.template_sandbox.close()
 
     async def _off_loop(self, size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``: inline for small inputs, on a worker thread for big ones."""
@@ -344,20 +362,37 @@ class OpenAIServing:
                 f"context length is {self.model_info.max_model_len} tokens, which no text of more than "
                 f"{self.max_prompt_chars} characters fits in. Please reduce the length of the input.", param=param)
 
+    def _check_chat_template(self, chat_template: Optional[str]) -> None:
+        """A request's own chat template only where the operator allows them (vLLM's rule)."""
+        if chat_template and self.template_sandbox is None:
+            raise InvalidRequestError(
+                "This server renders only the model's own chat template: a chat_template in the request is "
+                "refused. An operator who trusts the clients can allow them with --trust-request-chat-template "
+                "(they then render in a worker process, bounded in time and memory).", param="chat_template")
+
     async def _render_and_encode_chat(self, messages: list, add_generation_prompt: bool,
                                       chat_template: Optional[str], continue_final_message: bool,
                                       template_kwargs: dict, add_special_tokens: bool = False) -> tuple[str, list[int]]:
         """The chat's prompt text and its token IDs (no special tokens added by default: the
-        template has them). Its length is checked before rendering and before tokenizing."""
+        template has them). Its length is checked before rendering and before tokenizing.
+
+        The model's template renders here (a big chat on a worker thread); a request's
+        template (``chat_template``) in the sandbox's worker processes."""
         size = _chat_text_size(messages)
         self._check_prompt_chars(size, param="messages")
-        text = await self._off_loop(size, render_chat, self.tokenizer, messages, add_generation_prompt,
-                                    chat_template, continue_final_message, **template_kwargs)
+        if chat_template:
+            self._check_chat_template(chat_template)
+            job = await self._off_loop(size, prepare_chat, self.tokenizer, messages, add_generation_prompt,
+                                       chat_template, continue_final_message, **template_kwargs)
+            text = await self.template_sandbox.render(job)
+        else:
+            text = await self._off_loop(size, render_chat, self.tokenizer, messages, add_generation_prompt,
+                                        None, continue_final_message, **template_kwargs)
         return text, await self._encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self._check_prompt_chars(len(text), param=param)
-        return await self._off_loop(len(text), encode_prompt, self.tokenizer, text, add_special_tokens)
+        return await self._off_loop(len(text), encode_prompt, self.tokenizer, text, add_special_tokens, param)
 
     @property
     def model_name(self) -> str:
@@ -408,6 +443,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         self._check_request(request)
+        self._check_chat_template(request.chat_template)
         if request.top_logprobs is not None and request.top_logprobs < 0:
             raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}.",
                                       param="top_logprobs")
@@ -457,6 +493,7 @@ class OpenAIServing:
         self._check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
+        self._check_chat_template(request.chat_template)
         if request.messages is not None:
             supports_tools = template_supports_tools(request.chat_template or self.tokenizer.chat_template)
             check_tools(request.tools, None)

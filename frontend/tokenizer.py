@@ -15,12 +15,13 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
-import jinja2
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
 from backend.errors import InvalidRequestError, ModelNotFoundError
 from backend.tokenizer_files import tokenizer_fingerprint  # noqa: F401 -- one definition for both sides
+from frontend.template_worker import ChatRenderJob, TemplateRenderError, render_job
+from frontend.unicode_check import check_valid_unicode
 
 # apply_chat_template's own parameters: a template variable with one of these
 # names would change what the call returns instead of reaching the template.
@@ -54,18 +55,20 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str,
-                  add_special_tokens: bool = True) -> list[int]:
+                  add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
     """Token IDs of a prompt.
 
     ``add_special_tokens`` follows the tokenizer's post-processor (e.g. a BOS);
     pass False for text rendered by a chat template, which already holds them.
+    Text that is not valid Unicode is an ``InvalidRequestError`` naming ``param``.
     """
     if not isinstance(text, str):
-        raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}.", param="prompt")
+        raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}.", param=param)
+    check_valid_unicode(text, param)  # the tokenizers library takes only UTF-8
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def render_chat(
+def prepare_chat(
     tokenizer: PreTrainedTokenizerFast,
     messages: list[dict],
     add_generation_prompt: bool = True,
@@ -73,16 +76,16 @@ def render_chat(
     continue_final_message: bool = False,
     tools: Optional[list[dict]] = None,
     **template_kwargs: Any,
-) -> str:
-    """Render OpenAI-style chat messages to the prompt text the model expects.
+) -> ChatRenderJob:
+    """Check OpenAI-style chat messages and gather what the template sees (``render_job`` renders it).
 
-    Tokenize the result with ``encode_prompt(..., add_special_tokens=False)``.
-    Text-only content parts (``[{"type": "text", "text": ...}]``) are joined
-    with newlines. Raises ``InvalidRequestError`` for malformed messages, a
-    missing template, or an error the template itself raises.
+    ``chat_template``: a template, or the name of one of the model's; None (or
+    empty): the model's own. Text-only content parts (``[{"type": "text",
+    "text": ...}]``) are joined with newlines; keys whose value is null are left
+    out, as ``apply_chat_template`` does. Raises ``InvalidRequestError`` for
+    malformed messages or a missing template.
     """
-    template = chat_template or tokenizer.chat_template
-    if not template:
+    if not (chat_template or tokenizer.chat_template):
         raise InvalidRequestError(
             "The model's tokenizer has no chat template, so chat messages cannot be "
             "rendered; supply one with chat_template.", param="messages")
@@ -98,18 +101,37 @@ def render_chat(
         raise InvalidRequestError("messages must be a non-empty list.", param="messages")
     conversation = [_normalize_message(message, i) for i, message in enumerate(messages)]
     try:
-        rendered = tokenizer.apply_chat_template(
-            conversation,
-            tools=tools,
-            chat_template=template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **template_kwargs,
-        )
-    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        template = tokenizer.get_chat_template(chat_template or None, tools)
+    except ValueError as exc:  # several named templates and none chosen
+        raise InvalidRequestError(str(exc), param="chat_template") from exc
+    return ChatRenderJob(template=template, conversation=conversation, add_generation_prompt=add_generation_prompt,
+                         continue_final_message=continue_final_message, tools=tools,
+                         template_kwargs={**tokenizer.special_tokens_map, **template_kwargs})
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    chat_template: Optional[str] = None,
+    continue_final_message: bool = False,
+    tools: Optional[list[dict]] = None,
+    **template_kwargs: Any,
+) -> str:
+    """Render OpenAI-style chat messages to the prompt text the model expects, in this process.
+
+    For templates this process trusts (the model's, or an offline caller's): a
+    template from an HTTP client renders in ``frontend.template_sandbox``.
+    Tokenize the result with ``encode_prompt(..., add_special_tokens=False)``.
+    Raises ``InvalidRequestError`` as ``prepare_chat`` does, or for an error the
+    template itself raises.
+    """
+    job = prepare_chat(tokenizer, messages, add_generation_prompt, chat_template, continue_final_message, tools,
+                       **template_kwargs)
+    try:
+        return render_job(job)
+    except TemplateRenderError as exc:
         raise InvalidRequestError(f"Could not render the chat template: {exc}", param="messages") from exc
-    return rendered
 
 
 def _normalize_message(message: Any, position: int) -> dict:
@@ -121,7 +143,8 @@ def _normalize_message(message: Any, position: int) -> dict:
     if role not in CHAT_ROLES:
         raise InvalidRequestError(f"messages[{position}].role must be one of {', '.join(sorted(CHAT_ROLES))}; "
                                   f"got {role!r:.40}.", param="messages")
-    normalized = dict(message)
+    # apply_chat_template's normalization: templates test for a key's presence, not for null.
+    normalized = {key: value for key, value in message.items() if value is not None}
     content = message.get("content")
     if isinstance(content, list):
         texts = []

@@ -132,6 +132,28 @@ HTTP_CASES = [
     (C, raw("\xff\xfe garbage"), 400, None),
     (C, {"prompt": "Hi", "seed": "seven"}, 400, "seed"),
     (C, {"prompt": "Hi", "model": "no-such-model"}, 404, None),
+    # text that is not valid Unicode (lone UTF-16 surrogates); every field: tests/test_invalid_unicode.py
+    (C, raw('{"prompt": "Hi \\ud800"}'), 400, "prompt"),
+    (C, raw('{"prompt": ["Hi", "\\udc00"]}'), 400, "prompt"),
+    (C, b'{"prompt": "Hi \xed\xa0\x80"}', 400, "prompt"),
+    (C, raw('{"prompt": "Hi", "stop": ["\\ud800"]}'), 400, "stop"),
+    (C, raw('{"prompt": "Hi", "model": "\\ud800"}'), 400, "model"),
+    (C, raw('{"prompt": "Hi", "request_id": "\\ud800"}'), 400, "request_id"),
+    (C, raw('{"prompt": "Hi", "structured_outputs": {"regex": "\\ud800"}}'), 400, "structured_outputs"),
+    (C, raw('{"prompt": "Hi", "\\ud800": 1}'), 400, None),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "\\ud800"}]}'), 400, "messages"),
+    (CHAT, raw('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'), 400,
+     "messages"),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", '
+               '"function": {"name": "\\ud800"}}]}'), 400, "tools"),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "Hi"}], "chat_template": "\\ud800"}'), 400,
+     "chat_template"),
+    ("/tokenize", raw('{"prompt": "\\ud800"}'), 400, "prompt"),
+    ("/tokenize", raw('{"messages": [{"role": "user", "content": "\\udfff"}]}'), 400, "messages"),
+    ("/detokenize", raw('{"tokens": [1], "model": "\\ud800"}'), 400, "model"),
+    # a request's chat template is refused unless the server trusts them (--trust-request-chat-template)
+    (CHAT, {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),
 ]
 
 

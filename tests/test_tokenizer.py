@@ -232,6 +232,47 @@ def test_render_chat_without_template_or_with_a_failing_one(wordpiece, byte_leve
         render_chat(byte_level, messages, chat_template="{% for %}")
 
 
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[tools: {{ tools | tojson }}]{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}{% if m.name is defined %} name={{ m.name }}{% endif %}>"
+    "{% if m.content is defined %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
+    "</{{ m['role'] }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}{{ extra | default('') }}")
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, TOOLS_TEMPLATE])
+@pytest.mark.parametrize("options", [
+    dict(add_generation_prompt=True),
+    dict(add_generation_prompt=False, continue_final_message=True),
+    dict(add_generation_prompt=True, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+         extra="!"),
+])
+def test_render_chat_renders_exactly_what_apply_chat_template_does(tmp_path, template, options):
+    """One renderer (frontend.template_worker.render_job) for the model's template and, in the
+    sandbox, a request's: it must agree with transformers' apply_chat_template."""
+    tokenizer = build_byte_level_tokenizer(str(tmp_path), chat_template=template)
+    messages = [{"role": "system", "content": "be brief", "name": None},
+                {"role": "user", "content": "héllo 😀", "name": "ann"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+                {"role": "assistant", "content": "The answer is"}]
+    if not options.get("continue_final_message"):
+        messages = messages[:-1]
+    ours = render_chat(tokenizer, messages, **options)
+    theirs = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    assert ours == theirs
+
+
+def test_encode_prompt_refuses_text_that_is_not_valid_unicode(byte_level):
+    with pytest.raises(InvalidRequestError, match="U\\+D800") as info:
+        encode_prompt(byte_level, "Hello \ud800")
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as info:
+        encode_prompt(byte_level, "\udc00", param="messages")
+    assert info.value.param == "messages"
+    assert encode_prompt(byte_level, "Hello 😀") == byte_level.encode("Hello 😀")
+
+
 # ---------------------------------------------------------------- fingerprint and single tokens
 
 
