@@ -131,14 +131,13 @@ class TemplateSandbox:
                 raise InvalidRequestError(
                     f"The chat template took longer than {self.timeout_s} s to render (the server's "
                     "--chat-template-timeout-s); it was stopped.", param=_PARAM)
-            status, payload = worker.conn.recv()
+            status, payload, retiring = worker.conn.recv()
         except (EOFError, OSError):  # killed by its CPU cap or by the kernel
             raise InvalidRequestError(
                 "The chat template's renderer was stopped: the template exceeded its CPU or memory bound.",
                 param=_PARAM) from None
         else:
-            # A worker that ran out of memory has exited; one that built an oversized output may keep it.
-            keep = status in (W.OK, W.TEMPLATE_ERROR, W.INVALID_OUTPUT)
+            keep = not retiring and status != W.OUT_OF_MEMORY
             return self._result(status, payload)
         finally:
             if keep:

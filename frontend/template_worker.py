@@ -37,14 +37,18 @@ from typing import Any, Optional
 WORKER_NICENESS = 10
 # Characters of an error's text sent back to the client (an error may quote the whole rendering).
 MAX_ERROR_CHARS = 500
+# A worker whose resident memory grew by more than this since it started (a template compiled with a
+# huge constant stays in transformers' compile cache; a heap may stay fragmented) retires after its
+# answer, and a fresh one takes its place: what one template took never stays taken.
+RETIRE_GROWTH_BYTES = 64 * 1024 * 1024
 
-# What a worker answers: (status, payload).
+# What a worker answers: (status, payload, retiring), retiring True when it exits after this answer.
 OK = "ok"  # payload: the rendered text
 TEMPLATE_ERROR = "template_error"  # payload: the template's error, as text
 OUTPUT_TOO_LARGE = "output_too_large"  # payload: the output's size in bytes
 INVALID_OUTPUT = "invalid_output"  # payload: the index of the first character UTF-8 cannot encode
-OUT_OF_MEMORY = "out_of_memory"  # payload: None; the worker exits after sending it
-READY = "ready"  # sent once at start; payload: the worker's pid
+OUT_OF_MEMORY = "out_of_memory"  # payload: None (always retiring)
+READY = "ready"  # sent once at start, as (READY, pid)
 
 
 @dataclass
@@ -89,7 +93,8 @@ def render_job(job: ChatRenderJob) -> str:
 
 def serve_renders(conn: Connection, max_memory_bytes: int, max_output_bytes: int) -> None:
     """A worker's life: cap itself, say ready, then answer ``(job, timeout_s)`` messages with
-    ``(status, payload)`` until the frontend closes the connection (or after running out of memory)."""
+    ``(status, payload, retiring)`` until the frontend closes the connection, or until it retires
+    (out of memory, or grown by more than ``RETIRE_GROWTH_BYTES``)."""
     os.nice(WORKER_NICENESS)
     import transformers.utils.chat_template_utils  # noqa: F401 -- loaded before the cap and before "ready"
 
@@ -98,6 +103,7 @@ def serve_renders(conn: Connection, max_memory_bytes: int, max_output_bytes: int
     if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    baseline_rss = _resident_bytes()
     try:
         conn.send((READY, os.getpid()))
     except OSError:
@@ -108,16 +114,21 @@ def serve_renders(conn: Connection, max_memory_bytes: int, max_output_bytes: int
         except (EOFError, OSError):
             return  # the frontend is gone
         except MemoryError:  # the job alone is larger than the cap
-            _send_quietly(conn, (OUT_OF_MEMORY, None))
+            _send_quietly(conn, (OUT_OF_MEMORY, None, True))
             return
         _cap_cpu_seconds(timeout_s)
         try:
-            conn.send(_render_checked(job, max_output_bytes))
+            status, payload = _render_checked(job, max_output_bytes)
+            del job
+            retiring = _resident_bytes() > baseline_rss + RETIRE_GROWTH_BYTES
+            conn.send((status, payload, retiring))
         except MemoryError:
-            _send_quietly(conn, (OUT_OF_MEMORY, None))
+            _send_quietly(conn, (OUT_OF_MEMORY, None, True))
             return  # a heap that ran out may stay fragmented: the frontend starts a fresh worker
         except OSError:
             return  # the frontend is gone (or killed this worker's peer end)
+        if retiring:
+            return
 
 
 def _render_checked(job: ChatRenderJob, max_output_bytes: int) -> tuple[str, Any]:
@@ -146,11 +157,13 @@ def _cap_cpu_seconds(timeout_s: float) -> None:
 
 
 def _address_space_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _send_quietly(conn, message: tuple) -> None:

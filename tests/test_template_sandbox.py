@@ -142,6 +142,23 @@ def test_an_output_over_the_limit_never_reaches_the_frontend(sandbox):
     assert len(render(sandbox, "{% for i in range(800) %}{{ messages[0]['content'] }}xyz{% endfor %}")) == 4000
 
 
+@pytest.mark.timeout(180)
+def test_a_worker_that_kept_memory_after_a_render_is_replaced():
+    """Jinja folds the constant below into the compiled template (80 MB), which transformers caches:
+    the render succeeds, and the worker that now holds it retires."""
+    pool = TemplateSandbox(num_workers=1, timeout_s=60, max_output_bytes=4096, max_memory_bytes=512 * 2**20)
+    try:
+        pool.start()
+        (before,) = wait_for_workers(pool, 1)
+        assert render(pool, "{% set s = 'ab' * 40000000 %}{{ s | length }}") == "80000000"
+        (after,) = wait_for_workers(pool, 1)
+        assert after != before and not pid_exists(before)
+        assert render(pool, "{{ messages[0]['content'] }}") == "ab"
+        assert worker_pids(pool) == {after}  # a small render keeps its worker
+    finally:
+        pool.close()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("template, words", [
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
