@@ -76,13 +76,12 @@ class LLMEngine:
         # one. The scheduler, the block manager and the workers know only internal IDs.
         self._sequence_ids = itertools.count()
         self.children: dict[str, list[str]] = {}  # client request ID -> its sequences' internal IDs
-        # Outputs found between steps (a request that failed while being added or given drafts),
-        # returned by the next step.
-        self._pending_outputs: list[EngineOutput] = []
-        self.deadlines: list[tuple[float, str]] = []  # heap of (time.monotonic() deadline, parent ID)
+        self.deadlines: list[tuple[float, str]] = []  # heap of (time.monotonic() deadline, client ID)
+        self.deadline_of: dict[str, float] = {}  # client request ID -> its deadline (requests with one)
         self.beams: dict[str, BeamSearch] = {}  # beam-search request ID -> its search
-        self.structured_output = StructuredOutputManager(str(config.tokenizer_path), self.vocab_size,
-                                                         self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(
+            str(config.tokenizer_path), self.vocab_size, self.eos_token_ids,
+            compile_timeout_s=config.grammar_compile_timeout_s, compile_workers=config.grammar_compile_workers)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.speculative = config.speculative
@@ -150,6 +149,9 @@ class LLMEngine:
     def _add_sequences(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        arrival_time: Optional[float], grammar: object, deadline: Optional[float],
                        cache_salt: Optional[str]) -> None:
+        if deadline is not None:
+            self.deadline_of[request_id] = deadline
+            heapq.heappush(self.deadlines, (deadline, request_id))
         if params.use_beam_search:
             search = BeamSearch(request_id, prompt_token_ids, params, self.eos_token_ids,
                                 self.config.max_model_len, arrival_time or time.monotonic())
@@ -167,9 +169,7 @@ class LLMEngine:
             self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,
                                                self.eos_token_id, parent_id=request_id,
                                                index=index, arrival_time=arrival_time,
-                                               cache_salt=cache_salt, deadline=deadline))
-        if deadline is not None:
-            heapq.heappush(self.deadlines, (deadline, request_id))
+                                               cache_salt=cache_salt))
 
     def _new_sequence_id(self) -> str:
         return f"seq-{next(self._sequence_ids)}"
@@ -185,31 +185,41 @@ class LLMEngine:
 
     def _discard(self, request_id: str) -> list[Request]:
         """Forget a client request: finish (ABORT) its sequences still in the engine, which it returns."""
-        self.beams.pop(request_id, None)
         ended = []
-        for child_id in self.children.pop(request_id, []):
+        for child_id in self.children.get(request_id, ()):
             request = self.scheduler.requests.get(child_id)
             if request is not None:
                 self._finish(request, FinishReason.ABORT)
                 ended.append(request)
+        self._forget_request(request_id)
         return ended
 
-    def _fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
-        """End a client request that failed inside the engine, alone: every sequence it still has
-        ends with ``message`` (finish reason ABORT) and its blocks are freed; the rest of the batch
-        goes on. A beam search reports all its ``n`` indices."""
-        logger.warning("Request %r failed inside the engine and was ended: %s", request_id, message)
+    def _forget_request(self, request_id: str) -> None:
+        """Drop a client request's bookkeeping (its sequences have ended)."""
+        self.children.pop(request_id, None)
+        self.beams.pop(request_id, None)
+        self.deadline_of.pop(request_id, None)
+
+    def _end_request(self, request_id: str, error: Optional[str] = None) -> list[EngineOutput]:
+        """End a client request now: each sequence it still has gets a final ABORT output (with
+        ``error``, if given) and frees its blocks. A beam search reports all its ``n`` indices."""
         search = self.beams.get(request_id)
         ended = self._discard(request_id)
-        num_prompt = ended[0].num_prompt_tokens if ended else 0
         if search is not None:
-            indices = range(search.width)
-            num_prompt = len(search.prompt_token_ids)
+            indices, num_prompt = range(search.width), len(search.prompt_token_ids)
         else:
-            indices = [request.index for request in ended]
+            indices, num_prompt = [r.index for r in ended], ended[0].num_prompt_tokens if ended else 0
+        cached = {r.index: max(r.num_cached_tokens, 0) for r in ended} if search is None else {}
         return [EngineOutput(request_id=request_id, index=index, new_token_ids=[],
-                             finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt, error=message)
+                             finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt,
+                             num_cached_tokens=cached.get(index, 0), error=error)
                 for index in indices]
+
+    def _fail_request(self, request_id: str, message: str) -> list[EngineOutput]:
+        """End a client request that failed inside the engine, alone, with ``message``; the rest
+        of the batch goes on."""
+        logger.warning("Request %r failed inside the engine and was ended: %s", request_id, message)
+        return self._end_request(request_id, error=message)
 
     def abort_expired(self, now: Optional[float] = None) -> list[EngineOutput]:
         """Abort the requests whose deadline has passed (freeing their blocks); their
@@ -217,20 +227,12 @@ class LLMEngine:
         now = time.monotonic() if now is None else now
         outputs: list[EngineOutput] = []
         while self.deadlines and self.deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self.deadlines)
-            children = [self.scheduler.requests.get(child_id) for child_id in self.children.get(request_id, ())]
-            # None: finished already; a later deadline: a new request that reuses the ID.
-            children = [child for child in children if child is not None and child.deadline <= now]
-            if not children:
-                continue
-            for child in children:
-                outputs.append(EngineOutput(request_id=request_id, index=child.index, new_token_ids=[],
-                                            finish_reason=FinishReason.ABORT,
-                                            num_prompt_tokens=child.num_prompt_tokens,
-                                            num_cached_tokens=max(child.num_cached_tokens, 0)))
-            self.abort_request([request_id])
-        if len(self.deadlines) > 2 * len(self.children) + 64:  # drop entries of finished requests
-            self.deadlines = [(d, r) for d, r in self.deadlines if r in self.children]
+            deadline, request_id = heapq.heappop(self.deadlines)
+            # Gone: finished already; another deadline: a later request that reuses the ID.
+            if self.deadline_of.get(request_id) == deadline:
+                outputs.extend(self._end_request(request_id))
+        if len(self.deadlines) > 2 * len(self.deadline_of) + 64:  # drop entries of finished requests
+            self.deadlines = [(d, r) for d, r in self.deadlines if self.deadline_of.get(r) == d]
             heapq.heapify(self.deadlines)
         return outputs
 
@@ -243,7 +245,7 @@ class LLMEngine:
         """One engine step. A failure that belongs to one request (its grammar, sampling,
         logprobs, drafts, beam bookkeeping) ends that request with an error output and the step
         goes on; only a failure of the step itself (the executor, a worker, the device) raises."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs: list[EngineOutput] = []
         failed: dict[str, str] = {}  # internal sequence ID -> why it failed this step
         if self.proposer is not None:
             self._propose_drafts(failed)
@@ -274,7 +276,7 @@ class LLMEngine:
             try:
                 if search.advance():
                     outputs.extend(search.outputs())
-                    del self.beams[search.request_id], self.children[search.request_id]
+                    self._forget_request(search.request_id)
                 else:
                     self._start_beam_round(search)
             except Exception as error:  # noqa: BLE001
@@ -330,7 +332,8 @@ class LLMEngine:
             finish_reason=reason, stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            prompt_logprobs=request.prompt_logprobs if first and request.wants_prompt_logprobs
+            # A one-token prompt has no logprobs computed: its list is [None], as any prompt's starts.
+            prompt_logprobs=(request.prompt_logprobs or [None]) if first and request.wants_prompt_logprobs
             else None))
         if reason is not None:
             self._finish(request, reason)
@@ -405,7 +408,7 @@ class LLMEngine:
     def _forget_child(self, request: Request) -> None:
         siblings = self.children.get(request.parent_id)
         if siblings and all(sid not in self.scheduler.requests for sid in siblings):
-            del self.children[request.parent_id]
+            self._forget_request(request.parent_id)
 
     # ---- information ------------------------------------------------------------------
 

@@ -293,7 +293,6 @@ class Request:
         index: int = 0,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
-        deadline: Optional[float] = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -303,7 +302,6 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.cache_salt = cache_salt  # keys its prefix-cache blocks apart from other salts
-        self.deadline = deadline if deadline is not None else math.inf  # time.monotonic() seconds
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -34,7 +34,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from backend.auth import AUTH_METADATA_KEY, TOKEN_ENV
-from backend.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestTimeoutError, TandemError
+from backend.errors import (EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError,
+                            RequestTimeoutError, TandemError)
 from backend.limits import Limits
 from backend.request import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs, SamplingParams
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -103,6 +104,8 @@ def error_from_status(error: grpc.aio.AioRpcError) -> TandemError:
         return RequestTimeoutError(f"The request did not finish before its deadline ({message}).")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return BackendOverloadedError(message)
+    if code == grpc.StatusCode.INTERNAL:  # this request failed inside the backend; the backend goes on
+        return RequestFailedError(message)
     return BackendError(f"Backend call failed ({code.name}): {message}", code)
 
 

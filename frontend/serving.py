@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerFast
 
 from backend.errors import (EngineDeadError, InvalidRequestError, ModelNotFoundError, OverloadedError,
-                            RequestTimeoutError, TandemError)
+                            RequestFailedError, RequestTimeoutError, TandemError)
 from backend.limits import Limits
 from backend.request import ModelInfo, PositionLogprobs, SamplingParams, StructuredOutputsParams
 from frontend import protocol as P
@@ -93,6 +93,7 @@ _STATUS_OF_ERROR: tuple[tuple[type[Exception], HTTPStatus], ...] = (
     (OverloadedError, HTTPStatus.TOO_MANY_REQUESTS),  # BackendOverloadedError included; sent with Retry-After
     (EngineDeadError, HTTPStatus.SERVICE_UNAVAILABLE),  # BackendUnavailableError included
     (RequestTimeoutError, HTTPStatus.GATEWAY_TIMEOUT),
+    (RequestFailedError, HTTPStatus.INTERNAL_SERVER_ERROR),  # one request failed in the engine; it goes on
 )
 
 # vLLM's error ``type`` names (OpenAI's client maps by status code, not by these).

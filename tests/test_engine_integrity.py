@@ -234,3 +234,40 @@ def test_async_engine_raises_request_failed_for_that_request_only(tiny_checkpoin
         assert again == good  # the engine serves on, unchanged
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_request_is_a_500_over_http_and_grpc_while_the_server_serves_on(tiny_checkpoint, poisoned_penalties):
+    import grpc
+    import httpx
+
+    from helpers import LoopThread, backend_and_frontend
+    from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
+
+    loop = LoopThread()
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
+                                         num_kv_blocks=128, max_model_len=128))
+    bad = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "repetition_penalty": POISON_PENALTY}
+    good = {"prompt": "Hello", "max_tokens": 8, "temperature": 0}
+    try:
+        with backend_and_frontend(loop, engine) as (_, address, base_url), \
+                httpx.Client(base_url=base_url, timeout=60) as http, grpc.insecure_channel(address) as channel:
+            response = http.post("/v1/completions", json=bad)
+            assert response.status_code == 500, response.text
+            assert "injected sampler failure" in response.json()["error"]["message"]
+            with http.stream("POST", "/v1/completions", json={**bad, "stream": True}) as stream:
+                body = "".join(stream.iter_text())
+            assert "injected sampler failure" in body and "data: [DONE]" not in body.split("error")[0]
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(engine_pb2.GenerateRequest(
+                    request_id="bad-grpc", prompt_token_ids=[5, 6, 7], sampling_params=engine_pb2.SamplingParams(
+                        max_tokens=4, temperature=0.0, repetition_penalty=POISON_PENALTY)), timeout=60))
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert "injected sampler failure" in info.value.details()
+            response = http.post("/v1/completions", json=good)
+            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+            assert http.get("/health").status_code == 200 and engine.dead_error is None
+    finally:
+        engine.shutdown()
+        loop.close()

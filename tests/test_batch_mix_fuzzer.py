@@ -1,0 +1,108 @@
+"""The batch-mix fuzzer: generated batches that mix every request feature in one engine.
+
+Each engine configuration below gets its share of generated batches (``tests/batch_mix.py`` draws
+them and checks the invariants: the engine never dies, every request ends, no block, matcher or
+bookkeeping leaks). In fp32 every deterministic request (greedy, beam search) is also run alone
+afterwards and must give the same tokens.
+
+The CI run is short and derandomized (the same batches every run): ``FUZZ_BATCHES_CI`` batches in
+all. The long run is random and behind the ``fuzz`` marker::
+
+    TANDEM_FUZZ_BATCHES=3000 python -m pytest -q -m fuzz tests/test_batch_mix_fuzzer.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from batch_mix import assert_same_as_alone, request_specs, run_batch
+
+FUZZ_BATCHES_CI = 320
+MAX_MODEL_LEN = 64
+EOS = 2  # the tiny tokenizer's <|im_end|>: a random model samples it now and then
+
+# name -> (engine arguments, compare with running alone). Small KV caches force preemption;
+# a small token budget forces chunked prefill.
+ENGINES = {
+    "fp32-eager-ngram-tight": (dict(dtype="float32", enforce_eager=True, num_kv_blocks=40, max_num_seqs=6,
+                                    max_num_batched_tokens=24,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_max": 2}), True),
+    "fp32-graphs": (dict(dtype="float32", enforce_eager=False, num_kv_blocks=160, max_num_seqs=8,
+                         max_num_batched_tokens=64), True),
+    "bf16-graphs-ngram": (dict(dtype="bfloat16", enforce_eager=False, num_kv_blocks=48, max_num_seqs=8,
+                               max_num_batched_tokens=32,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                   "prompt_lookup_max": 3}), False),
+    "bf16-eager-no-prefix-cache": (dict(dtype="bfloat16", enforce_eager=True, num_kv_blocks=64, max_num_seqs=4,
+                                        max_num_batched_tokens=40, enable_prefix_caching=False), False),
+    "fp16-eager-fp8-kv": (dict(dtype="float16", enforce_eager=True, kv_cache_dtype="fp8", num_kv_blocks=64,
+                               max_num_seqs=6, max_num_batched_tokens=32), False),
+}
+
+
+@pytest.fixture(scope="module")
+def fuzz_checkpoint(tmp_path_factory):
+    """The tiny random Llama, with an EOS token (so EOS, min_tokens and ignore_eos all matter)."""
+    from conftest import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fuzz"), "llama", seed=1)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = EOS
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def fuzz_engine(checkpoint, name: str) -> LLMEngine:
+    arguments, _ = ENGINES[name]
+    return LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, max_model_len=MAX_MODEL_LEN, seed=0,
+                                  **arguments))
+
+
+def fuzz(engine: LLMEngine, compare_alone: bool, batches: int, derandomize: bool) -> dict:
+    stats = {"batches": 0, "requests": 0, "compared": 0}
+
+    @settings(max_examples=batches, deadline=None, derandomize=derandomize, database=None,
+              suppress_health_check=list(HealthCheck), print_blob=True)
+    @given(request_specs(engine.vocab_size, MAX_MODEL_LEN))
+    def one_batch(specs):
+        outcomes = run_batch(engine, specs)
+        stats["batches"] += 1
+        stats["requests"] += len(outcomes)
+        if compare_alone:
+            stats["compared"] += assert_same_as_alone(engine, outcomes)
+
+    one_batch()
+    return stats
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_batch_mix_fuzzer(fuzz_checkpoint, name):
+    engine = fuzz_engine(fuzz_checkpoint, name)
+    try:
+        stats = fuzz(engine, ENGINES[name][1], FUZZ_BATCHES_CI // len(ENGINES), derandomize=True)
+    finally:
+        engine.shutdown()
+    assert stats["batches"] == FUZZ_BATCHES_CI // len(ENGINES)
+    print(f"{name}: {stats}")
+
+
+@pytest.mark.fuzz
+@pytest.mark.timeout(6 * 3600)
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_batch_mix_fuzzer_long(fuzz_checkpoint, name):
+    """The long, random run: TANDEM_FUZZ_BATCHES batches in all (default 3,000)."""
+    batches = int(os.environ.get("TANDEM_FUZZ_BATCHES", "3000")) // len(ENGINES)
+    engine = fuzz_engine(fuzz_checkpoint, name)
+    try:
+        stats = fuzz(engine, ENGINES[name][1], batches, derandomize=False)
+    finally:
+        engine.shutdown()
+    print(f"{name}: {stats}")
