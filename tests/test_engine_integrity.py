@@ -271,3 +271,19 @@ def test_a_failed_request_is_a_500_over_http_and_grpc_while_the_server_serves_on
     finally:
         engine.shutdown()
         loop.close()
+
+
+def test_a_beam_search_past_its_deadline_ends_with_abort(tiny_checkpoint):
+    import time
+
+    engine = make_engine(tiny_checkpoint("llama"), "float32")
+    try:
+        engine.add_request("beam", PROMPT, SamplingParams(use_beam_search=True, n=2, max_tokens=20),
+                           deadline=time.monotonic() + 3600)
+        engine.step()
+        expired = engine.abort_expired(time.monotonic() + 7200)
+        assert sorted((o.request_id, o.index, o.finish_reason) for o in expired) == \
+            [("beam", 0, FinishReason.ABORT), ("beam", 1, FinishReason.ABORT)]
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
