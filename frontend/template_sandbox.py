@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds a worker may take to start (it imports transformers' template code first).
 WORKER_START_TIMEOUT_S = 60.0
+# Renders in progress or waiting for a worker, per worker; more are refused at once (429).
+MAX_RENDERS_PER_WORKER = 4
 _PARAM = "chat_template"
 # The directory holding the ``frontend`` package: a worker imports it from there, wherever it runs.
 _PACKAGE_ROOT = str(Path(W.__file__).resolve().parents[1])
@@ -77,8 +79,10 @@ class TemplateSandbox:
 
     ``start()`` begins starting the workers in the background (``render`` also
     starts them); ``close()`` kills them. ``render`` may be awaited from any
-    event loop; a render that waits longer than ``timeout_s`` plus a worker's
-    start time for a free worker is refused with ``OverloadedError`` (429).
+    event loop. A render is refused with ``OverloadedError`` (429) when
+    ``MAX_RENDERS_PER_WORKER`` per worker are already in progress or waiting, or
+    when it waits longer than ``max_wait_s`` (a render's bound plus a worker's
+    start) for a free worker.
     """
 
     def __init__(self, num_workers: int, timeout_s: float, max_output_bytes: int, max_memory_bytes: int) -> None:
@@ -93,10 +97,14 @@ class TemplateSandbox:
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
-        # One thread per render in progress (it waits on its worker), and some for (re)starting workers.
-        self._threads = ThreadPoolExecutor(max_workers=4 * num_workers + 2, thread_name_prefix="tandem-template")
+        self._num_renders = 0  # in progress or waiting for a worker
+        # A thread per render admitted (it waits for a worker, then on the worker's answer), so none
+        # waits in an executor's queue, unbounded; and one per worker for (re)starting workers.
+        self._render_threads = ThreadPoolExecutor(max_workers=MAX_RENDERS_PER_WORKER * num_workers,
+                                                  thread_name_prefix="tandem-template")
+        self._start_threads = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="tandem-template-start")
         # A sandbox dropped without close() (its app went away) still stops its workers.
-        self._finalizer = weakref.finalize(self, _stop, self._workers, self._threads)
+        self._finalizer = weakref.finalize(self, _stop, self._workers, (self._render_threads, self._start_threads))
 
     def start(self) -> None:
         """Start the workers in the background (once)."""
@@ -105,13 +113,23 @@ class TemplateSandbox:
                 return
             self._started = True
         for _ in range(self.num_workers):
-            self._threads.submit(self._start_worker)
+            self._start_threads.submit(self._start_worker)
 
     async def render(self, job: W.ChatRenderJob) -> str:
         """The text ``job`` renders to; ``InvalidRequestError`` (param chat_template) when the template
         raises or exceeds a bound, ``OverloadedError`` when no worker frees up in time."""
         self.start()
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._render_blocking, job)
+        with self._lock:
+            if self._num_renders >= MAX_RENDERS_PER_WORKER * self.num_workers:
+                raise OverloadedError(
+                    f"{self._num_renders} chat templates are rendering or waiting for one of the "
+                    f"{self.num_workers} workers (the server's --chat-template-workers); retry later.")
+            self._num_renders += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._render_threads, self._render_blocking, job)
+        finally:
+            with self._lock:
+                self._num_renders -= 1
 
     def close(self) -> None:
         """Kill the workers (a render in progress gets a 400; a worker still starting is killed once it
@@ -184,7 +202,7 @@ class TemplateSandbox:
         worker.kill()
         if not closed:
             try:
-                self._threads.submit(self._start_worker)
+                self._start_threads.submit(self._start_worker)
             except RuntimeError:  # closed meanwhile
                 pass
 
@@ -225,13 +243,14 @@ class TemplateSandbox:
         return worker
 
 
-def _stop(workers: set[_Worker], threads: ThreadPoolExecutor) -> None:
+def _stop(workers: set[_Worker], pools: tuple[ThreadPoolExecutor, ...]) -> None:
     while workers:
         try:
             workers.pop().kill()
         except KeyError:  # emptied meanwhile
             break
-    threads.shutdown(wait=False, cancel_futures=True)
+    for pool in pools:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def sandbox_from_limits(limits) -> Optional[TemplateSandbox]:

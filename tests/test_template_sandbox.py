@@ -191,6 +191,24 @@ def test_no_free_worker_in_time_is_a_429(sandbox):
 
 
 @pytest.mark.timeout(120)
+def test_renders_beyond_four_per_worker_are_refused_at_once(sandbox):
+    async def flood():
+        spin = asyncio.ensure_future(sandbox.render(job(NESTED_LOOPS)))
+        await asyncio.sleep(0.3)
+        waiting = [asyncio.ensure_future(sandbox.render(job("{{ messages[0]['content'] }}"))) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        with pytest.raises(OverloadedError, match="--chat-template-workers"):
+            await sandbox.render(job("{{ 2 }}"))
+        refused_in = time.monotonic() - started
+        return refused_in, await asyncio.gather(spin, *waiting, return_exceptions=True)
+
+    refused_in, (spin, *waited) = asyncio.run(asyncio.wait_for(flood(), 100))
+    assert refused_in < 1.0
+    assert isinstance(spin, InvalidRequestError) and waited == ["ab"] * 3
+
+
+@pytest.mark.timeout(120)
 def test_close_leaves_no_worker_behind():
     pool = TemplateSandbox(num_workers=2, timeout_s=2, max_output_bytes=4096, max_memory_bytes=256 * 2**20)
     pool.start()
@@ -211,7 +229,7 @@ while not pool._idle.qsize():
 (worker,) = pool._workers
 print(worker.process.pid, flush=True)
 job = ChatRenderJob({spin!r}, [{{"role": "user", "content": "ab"}}])
-pool._threads.submit(pool._render_blocking, job)
+pool._render_threads.submit(pool._render_blocking, job)
 time.sleep(1)
 os._exit(0)  # gone without killing its worker, mid-render
 """
