@@ -15,8 +15,11 @@ cancelled nor capped. So a request's template renders in a worker process
   never crosses to the frontend.
 
 Any bound exceeded is a 400 naming ``chat_template`` (and the flag that sets
-it). A worker that overran a bound is killed and a fresh one started in its
-place (in the background), so the memory a bomb took goes back to the system.
+it). A worker that overran a bound, or that kept memory after a render
+(``template_worker.RETIRE_GROWTH_BYTES``), is killed and a fresh one started in
+its place (in the background), so the memory a bomb took goes back to the
+system. At most ``MAX_RENDERS_PER_WORKER`` renders per worker may be in
+progress or waiting; more are a 429 at once.
 Each worker is an interpreter of its own (``python -c``), sharing nothing with
 this process but a socket; the event loop only awaits a thread that waits on
 the worker's answer.

@@ -102,7 +102,8 @@ def test_template_bombs_stall_nobody_and_their_memory_returns(frontend):
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
             # Warm up, the sandbox included (its workers start with the app; this waits for them).
-            warm = await http.post("/tokenize", json={"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"})
+            warm = await http.post("/tokenize", json={"messages": MESSAGES,
+                                                      "chat_template": "{{ messages[0]['content'] }}"})
             assert warm.status_code == 200 and warm.json()["count"] > 0, warm.text
             await small_latencies(http, lambda: False, 10)
             alone = await small_latencies(http, lambda: False, 40)

@@ -9,7 +9,6 @@ The latency and memory acceptance test is tests/test_template_bomb_latency.py.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
