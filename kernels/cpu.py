@@ -1,13 +1,14 @@
-"""The fused CPU kernels (``csrc/cpu_ops.cpp``, and ``csrc/amx_linear.cpp`` for CPUs with AMX):
-built once per machine, into one library, then loaded.
+"""The fused CPU kernels (``csrc/``: one C++ file per op family, with ``amx_linear.cpp`` for
+CPUs with AMX): built once per machine, into one library, then loaded.
 
-The first call of ``available()`` compiles the source with the system's C++
-compiler against the installed torch (~30 s), into ``$TANDEM_KERNEL_CACHE``
-(default ``~/.cache/tandem/kernels``; like torch's extension cache it is per
-user, not per model cache) under a key of the source, torch's version, the
-compiler and this CPU's flags, so later processes just load it. Concurrent
-builders each write a temporary file and rename it into place. The engine calls
-it at start-up, so no request ever waits for a build.
+The first call of ``available()`` compiles each source with the system's C++ compiler against
+the installed torch, in parallel (as many at once as this process may use cores), and links them
+into one library (~35 s on 2 busy cores), in ``$TANDEM_KERNEL_CACHE`` (default
+``~/.cache/tandem/kernels``; like torch's extension cache it is per user, not per model cache)
+under a key of every source and header in ``csrc/``, torch's version, the compiler and this CPU's
+flags, so later processes just load it and editing any file rebuilds. Concurrent builders each
+write a temporary file and rename it into place. The engine calls it at start-up, so no request
+ever waits for a build.
 
 When no compiler is found or the build fails, a warning says why and every op
 falls back to ``kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0``
@@ -27,6 +28,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -34,11 +36,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("amx_linear.cpp"))
-HEADERS = (SOURCE.with_name("avx512_math.h"),)  # included by the sources: part of the build's key
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-          "-ffp-contract=off", "-w"]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # one translation unit each, linked into one library
+HEADERS = tuple(sorted(CSRC.glob("*.h")))    # included by the sources: part of the build's key
+_COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _state: dict = {}  # "ok": bool once decided, "error": why not
 
 
@@ -54,23 +56,45 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build_command(compiler: str, output: Path) -> list[str]:
+def _compile_command(compiler: str, source: Path, obj: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    lib_dir = cpp_extension.library_paths()[0]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [compiler, *_FLAGS, abi, *includes, f"-I{sysconfig.get_paths()['include']}", *map(str, SOURCES),
-            "-o", str(output), f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+    return [compiler, *_COMPILE_FLAGS, abi, *includes, f"-I{sysconfig.get_paths()['include']}",
+            "-c", str(source), "-o", str(obj)]
+
+
+def _link_command(compiler: str, objs: list[Path], output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    lib_dir = cpp_extension.library_paths()[0]
+    return [compiler, *_LINK_FLAGS, *map(str, objs), "-o", str(output), f"-L{lib_dir}", "-lc10",
+            "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
 
 
 def library_path(compiler: str) -> Path:
-    """Where the build for these sources, torch, compiler and CPU lives."""
+    """Where the build for these sources and headers, torch, compiler and CPU lives: any change to
+    a file in csrc/ (or a file added, removed or renamed) gives another path, so a rebuild."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), torch.__version__, version,
-                                    _cpu_flags(), " ".join(_FLAGS)]).encode()).hexdigest()[:16]
+    files = [f"{path.name}\0{path.read_text()}" for path in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*files, torch.__version__, version, _cpu_flags(),
+                                     " ".join(_COMPILE_FLAGS + _LINK_FLAGS)]).encode()).hexdigest()[:16]
     base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
     return base / f"tandem_cpu_ops-{key}.so"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _run(command: list[str]) -> None:
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the compiler failed:\n{proc.stderr[-2000:]}")
 
 
 def _build(compiler: str) -> Path:
@@ -81,10 +105,12 @@ def _build(compiler: str) -> Path:
     logger.info("Building Tandem's CPU kernels (once per machine) into %s", output.parent)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        objs = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        # Each translation unit parses torch's headers (~7 s) on its own, so they compile side by side.
+        with ThreadPoolExecutor(max_workers=min(len(SOURCES), _usable_cores())) as pool:
+            list(pool.map(_run, [_compile_command(compiler, s, o) for s, o in zip(SOURCES, objs)]))
         tmp_out = Path(tmp) / output.name
-        proc = subprocess.run(_build_command(compiler, tmp_out), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the compiler failed:\n{proc.stderr[-2000:]}")
+        _run(_link_command(compiler, objs, tmp_out))
         os.replace(tmp_out, output)
     logger.info("Built the CPU kernels in %.1f s", time.monotonic() - start)
     return output

@@ -1,4 +1,4 @@
-// bf16 linear layers on AMX tiles (Intel Sapphire Rapids and later), built with cpu_ops.cpp.
+// bf16 linear layers on AMX tiles (Intel Sapphire Rapids and later); registered in registration.cpp.
 //
 //     y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]),  bf16 in and out, products exact, sums fp32
 //     y [M, d] = silu(x @ gate^T) * (x @ up^T)        amx_gated_linear: an MLP's gate | up with its
@@ -21,11 +21,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 
 #include "avx512_math.h"
+#include "ops.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define TANDEM_AMX 1
 #include <immintrin.h>
@@ -33,9 +33,8 @@
 #include <unistd.h>
 #endif
 
+namespace tandem {
 namespace {
-
-using at::Tensor;
 
 constexpr int64_t kBlock = 32;        // output columns per panel, input dims per chunk, x rows per chunk
 constexpr int64_t kTileWords = 512;   // one 16 x 32 bf16 tile
@@ -117,6 +116,8 @@ inline void multiply_panel(float* c, const c10::BFloat16* a, int64_t k_pad, int6
 }
 #endif
 
+}  // namespace
+
 Tensor amx_pack_weight(const Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx_pack_weight: w must be [N, K] bf16");
   const Tensor src = w.contiguous();
@@ -148,6 +149,8 @@ bool amx_available() {
   return false;
 #endif
 }
+
+namespace {
 
 // x as the tiles read it: [M rounded up to 32, K rounded up to 32], zero-padded where needed.
 Tensor padded_rows(const Tensor& x, int64_t k_pad) {
@@ -195,6 +198,8 @@ void multiply_units(const c10::BFloat16* a, int64_t m_pad, int64_t k_pad, const 
 // 16 floats rounded to bf16 (nearest even), as floats.
 inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 #endif
+
+}  // namespace
 
 Tensor amx_linear(const Tensor& x, const Tensor& packed, int64_t n_size, const c10::optional<Tensor>& bias) {
   check_operands("amx_linear", x, packed);
@@ -249,17 +254,4 @@ Tensor amx_gated_linear(const Tensor& x, const Tensor& packed, int64_t d) {
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("amx_available() -> bool", &amx_available);  // no tensors: one kernel for every key
-  m.def("amx_pack_weight(Tensor w) -> Tensor");
-  m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
-  m.def("amx_gated_linear(Tensor x, Tensor packed, int d) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("amx_pack_weight", &amx_pack_weight);
-  m.impl("amx_linear", &amx_linear);
-  m.impl("amx_gated_linear", &amx_gated_linear);
-}
+}  // namespace tandem

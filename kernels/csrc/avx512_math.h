@@ -1,5 +1,6 @@
-// exp and SiLU of 16 floats in an AVX-512 register, shared by cpu_ops.cpp (attention's softmax,
-// silu_and_mul) and amx_linear.cpp (the gated linear's epilogue), so both compute the same bits.
+// exp and SiLU of 16 floats in an AVX-512 register, shared by attention's softmax
+// (attention_avx512_tiles.h), silu_and_mul (elementwise.cpp) and the gated AMX linear's epilogue
+// (amx_linear.cpp), so they compute the same bits.
 #pragma once
 
 #if defined(__AVX512F__)
