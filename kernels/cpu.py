@@ -36,9 +36,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # one translation unit each, linked into one library
-HEADERS = tuple(sorted(CSRC.glob("*.h")))    # included by the sources: part of the build's key
+CSRC = Path(__file__).with_name("csrc")  # every .cpp and .h here is part of the build and its key
 _COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _state: dict = {}  # "ok": bool once decided, "error": why not
@@ -54,6 +52,16 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
+
+
+def _sources() -> list[Path]:
+    """The translation units: each compiled on its own, all linked into one library."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def _build_files() -> list[Path]:
+    """What the build reads from csrc/: the sources and the headers they include."""
+    return sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])
 
 
 def _compile_command(compiler: str, source: Path, obj: Path) -> list[str]:
@@ -77,7 +85,7 @@ def library_path(compiler: str) -> Path:
     """Where the build for these sources and headers, torch, compiler and CPU lives: any change to
     a file in csrc/ (or a file added, removed or renamed) gives another path, so a rebuild."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    files = [f"{path.name}\0{path.read_text()}" for path in SOURCES + HEADERS]
+    files = [f"{path.name}\0{path.read_text()}" for path in _build_files()]
     key = hashlib.sha256("\0".join([*files, torch.__version__, version, _cpu_flags(),
                                      " ".join(_COMPILE_FLAGS + _LINK_FLAGS)]).encode()).hexdigest()[:16]
     base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
@@ -105,10 +113,11 @@ def _build(compiler: str) -> Path:
     logger.info("Building Tandem's CPU kernels (once per machine) into %s", output.parent)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
-        objs = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        sources = _sources()
+        objs = [Path(tmp) / f"{source.stem}.o" for source in sources]
         # Each translation unit parses torch's headers (~7 s) on its own, so they compile side by side.
-        with ThreadPoolExecutor(max_workers=min(len(SOURCES), _usable_cores())) as pool:
-            list(pool.map(_run, [_compile_command(compiler, s, o) for s, o in zip(SOURCES, objs)]))
+        with ThreadPoolExecutor(max_workers=min(len(sources), _usable_cores())) as pool:
+            list(pool.map(_run, [_compile_command(compiler, s, o) for s, o in zip(sources, objs)]))
         tmp_out = Path(tmp) / output.name
         _run(_link_command(compiler, objs, tmp_out))
         os.replace(tmp_out, output)

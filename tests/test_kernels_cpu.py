@@ -1,5 +1,6 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against their plain-torch twins, and the AMX
-linear (kernels/csrc/amx_linear.cpp, where the CPU has AMX) against the exact matmul.
+"""The fused CPU kernels (kernels/csrc/, one file per op family) against their plain-torch twins,
+and the AMX linear (kernels/csrc/amx_linear.cpp, where the CPU has AMX) against the exact matmul;
+and the build's cache key, which covers every file in kernels/csrc/.
 
 Mixed batches: decodes and prefill chunks with cached prefixes, block
 boundaries crossed, GQA. fp32 must agree to float rounding (rotary and norms
@@ -7,6 +8,8 @@ bit for bit), bf16 within bf16 rounding.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -22,6 +25,28 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2
 def test_kernels_are_built():
     """Every machine with a C++ compiler (CI's too) runs the fused kernels: no silent fallback."""
     assert cpu.available(), cpu.unavailable_reason()
+
+
+def test_editing_any_kernel_file_rebuilds(tmp_path, monkeypatch):
+    """The cached library's path is keyed on every source and header (an edit, or a file added,
+    gives another path, so the next start builds), and on nothing that an edit undone changes."""
+    csrc = shutil.copytree(cpu.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(cpu, "CSRC", csrc)
+    compiler = cpu._compiler()
+    base = cpu.library_path(compiler)
+    files = sorted(csrc.iterdir())
+    assert {"registration.cpp", "ops.h", "simd.h", "amx_linear.cpp"} <= {f.name for f in files}
+    assert [f.name for f in cpu._sources()] == sorted(f.name for f in files if f.suffix == ".cpp")
+    paths = set()
+    for f in files:
+        text = f.read_text()
+        f.write_text(text + "\n// edited\n")
+        paths.add(cpu.library_path(compiler))
+        f.write_text(text)
+    assert base not in paths and len(paths) == len(files)
+    assert cpu.library_path(compiler) == base
+    (csrc / "added.h").write_text("#pragma once\n")
+    assert cpu.library_path(compiler) != base
 
 
 def _batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):

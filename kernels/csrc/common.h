@@ -12,6 +12,11 @@
 //     int8_linear.cpp          int8 weights with float activations, and w8a8
 //     amx_linear.cpp           bf16 linears on AMX tiles
 //     ops.h                    every op's C++ signature; registration.cpp: their schemas
+// Each .cpp compiles on its own (in parallel) and all link into one library.
+//
+// The headers' helpers sit in an unnamed namespace: each translation unit has its own copy, as
+// when the kernels were one file, so GCC inlines and clones the hot loops as it did then (with
+// external linkage it kept some tuned tiles out of line).
 //
 // Every op works on float, bfloat16 and half tensors and accumulates in float. Parallel loops use
 // ATen's thread pool (at::parallel_for), so they share torch's OpenMP team: a second team on a

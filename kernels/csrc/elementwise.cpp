@@ -10,6 +10,7 @@
 namespace tandem {
 
 // ---- norms ------------------------------------------------------------------------
+
 namespace {
 
 // HF's order: normalize in fp32, cast to the dtype, then scale by the weight (in the dtype).
@@ -99,6 +100,7 @@ void fused_add_rms_norm(Tensor x, Tensor residual, const Tensor& weight, double 
 }
 
 // ---- rotary embedding ---------------------------------------------------------------
+
 namespace {
 
 // In place on query [num_tokens, num_heads * head_dim] and key [num_tokens, num_kv_heads *
@@ -150,6 +152,7 @@ void rotary_embedding(const Tensor& positions, Tensor query, Tensor key, const T
   });
 }
 // ---- activations ----------------------------------------------------------------------
+
 namespace {
 
 // silu of 16 lanes, unrounded: silu16 (exp with fused multiply-adds and vscalefps) where the
@@ -207,6 +210,7 @@ Tensor silu_and_mul(const Tensor& x) {
   return out;
 }
 // ---- greedy sampling --------------------------------------------------------------------
+
 namespace {
 
 // The index of the first maximum of x [n] (torch.max's: a NaN counts as the maximum).

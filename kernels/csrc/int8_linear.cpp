@@ -12,6 +12,7 @@
 namespace tandem {
 
 // ---- weight-only int8 linear -----------------------------------------------------------
+
 namespace {
 
 // 8 int8 weights as floats (exact).
@@ -143,10 +144,10 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
   return out;
 }
 
+// ---- int8 weights x int8 activations (w8a8) -------------------------------------------
 
 namespace {
 
-// ---- int8 weights x int8 activations (w8a8) -------------------------------------------
 // Activations are quantized on the fly in blocks of kQBlock along K (one symmetric scale per
 // row and block, round half to even), weights are the int8 per-channel weights above. A block's
 // products are summed exactly in int32, per lane: lane i holds bytes 4i..4i+3 of the block, as
