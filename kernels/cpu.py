@@ -2,13 +2,13 @@
 CPUs with AMX): built once per machine, into one library, then loaded.
 
 The first call of ``available()`` compiles each source with the system's C++ compiler against
-the installed torch, in parallel (as many at once as this process may use cores), and links them
-into one library (~35 s on 2 busy cores), in ``$TANDEM_KERNEL_CACHE`` (default
-``~/.cache/tandem/kernels``; like torch's extension cache it is per user, not per model cache)
-under a key of every source and header in ``csrc/``, torch's version, the compiler and this CPU's
-flags, so later processes just load it and editing any file rebuilds. Concurrent builders each
-write a temporary file and rename it into place. The engine calls it at start-up, so no request
-ever waits for a build.
+the installed torch, side by side (as many at once as this process may use cores: ~30 s on 2
+idle cores, the longest unit's ~12 s on 5 or more), and links them into one library in
+``$TANDEM_KERNEL_CACHE`` (default ``~/.cache/tandem/kernels``; like torch's extension cache it is
+per user, not per model cache) under a key of every source and header in ``csrc/``, torch's
+version, the compiler and this CPU's flags, so later processes just load it and editing any file
+rebuilds. Concurrent builders each write a temporary file and rename it into place. The engine
+calls it at start-up, so no request ever waits for a build.
 
 When no compiler is found or the build fails, a warning says why and every op
 falls back to ``kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0``
