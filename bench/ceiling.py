@@ -37,10 +37,10 @@ by memory, no kernel gets below it without a smaller cache (``--kv-cache-dtype f
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 import json
+import sys
 import time
+from pathlib import Path
 from statistics import median_high
 
 import torch
@@ -134,12 +134,13 @@ def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int,
     matmuls, where given), then ``steps`` engine steps. Returns medians and bests of the step, the
     ceiling and their per-round ratio (``own_ms``, ``own_ratio`` likewise), and the mean bytes of K
     and V a step's attention reads (``kv_mb``)."""
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.request import SamplingParams
+    from backend.engine.llm_engine import LLMEngine
+    from backend.models.resolve import resolve_config
+    from backend.types.config import EngineConfig
+    from backend.types.sampling_params import SamplingParams
 
-    config = EngineConfig(model=model, quantization=quantization, max_num_seqs=max(batch, 1),
-                          kv_cache_dtype=kv_cache_dtype).resolve()
+    config = resolve_config(EngineConfig(model=model, quantization=quantization, max_num_seqs=max(batch, 1),
+                          kv_cache_dtype=kv_cache_dtype))
     engine = LLMEngine(config)
     vocab = config.hf_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=rounds * steps + 8, ignore_eos=True)
@@ -190,10 +191,11 @@ def main() -> None:
 
     import warnings
 
-    from backend.config import EngineConfig, cpu_has_native_bf16
+    from backend.models.resolve import resolve_config
+    from backend.types.config import EngineConfig, cpu_has_native_bf16
 
     warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
-    config = EngineConfig(model=args.model).resolve()
+    config = resolve_config(EngineConfig(model=args.model))
     layer, num_layers = model_shapes(config.hf_config)
     vocab, hidden = config.hf_config.vocab_size, config.hf_config.hidden_size
     params = num_layers * sum(i * o for i, o in layer) + vocab * hidden

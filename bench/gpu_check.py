@@ -137,8 +137,8 @@ def build_checkpoint(name: str, out_dir: Path, dtype: torch.dtype, plan: Plan, s
 
 
 def make_engine(model_dir: Path, plan: Plan, **kwargs):
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
+    from backend.types.config import EngineConfig
 
     kwargs.setdefault("dtype", str(plan.dtype).removeprefix("torch."))
     kwargs.setdefault("max_model_len", plan.max_model_len)
@@ -181,7 +181,7 @@ def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
 def decode_steps(engine, prompts, num_steps: int):
     """Prefill prompts (untimed), then time num_steps steps in which all of them decode.
     Returns (median step seconds, mean context over the timed steps, each request's tokens)."""
-    from backend.request import SamplingParams
+    from backend.types.sampling_params import SamplingParams
 
     # Enough tokens that no request ends while others still prefill; aborted afterwards.
     params = SamplingParams(temperature=0.0, max_tokens=engine.config.max_model_len - max(map(len, prompts)),
@@ -232,7 +232,7 @@ def phase_kernels(plan: Plan, state: dict) -> list[dict]:
 
 def phase_logits(plan: Plan, state: dict, tmp: Path) -> list[dict]:
     """fp32 engine (eager, then CUDA graphs) against HF on the same weights."""
-    from backend.request import SamplingParams
+    from backend.types.sampling_params import SamplingParams
 
     rows = []
     for name in CONFIGS:
@@ -338,7 +338,7 @@ def nano_vllm_workload(num_seqs: int, low: int, high: int, vocab: int, seed: int
 
 
 def phase_nano_vllm(plan: Plan, state: dict, tmp: Path) -> list[dict]:
-    from backend.request import SamplingParams
+    from backend.types.sampling_params import SamplingParams
 
     rows = []
     for name in ("smollm2-135m", "qwen2.5-0.5b"):
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     if args.tiny:  # graph capture logic on the CPU: FakeGraph replays the captured calls
-        from backend import cuda_graphs
+        from backend.worker import cuda_graphs
 
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads; a busy machine's barriers cost
 

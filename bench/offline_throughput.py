@@ -19,8 +19,8 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
 # Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -77,10 +77,11 @@ def bench_hf(model_dir, prompts, output_len: int, batch_size: int, dtype: str) -
 
 def run_one(args: argparse.Namespace) -> dict:
     """One measurement in this process: ``--run tandem`` or ``--run hf:BATCH:DTYPE``."""
-    from backend.config import EngineConfig
+    from backend.models.resolve import resolve_config
+    from backend.types.config import EngineConfig
     from frontend.tokenizer import load_tokenizer
 
-    config = EngineConfig(model=args.model).resolve()
+    config = resolve_config(EngineConfig(model=args.model))
     prompts = make_prompts(load_tokenizer(str(config.tokenizer_path)), args.num_prompts, args.prompt_len)
     if args.run.startswith("tandem"):
         executor = args.run.partition(":")[2] or "uni"

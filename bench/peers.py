@@ -113,10 +113,11 @@ def main() -> None:
 
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    from backend.config import EngineConfig
     from backend.models.default_model import download_default_gguf
+    from backend.models.resolve import resolve_config
+    from backend.types.config import EngineConfig
 
-    config = EngineConfig().resolve()
+    config = resolve_config(EngineConfig())
     tokenizer = serving.load_tokenizer(str(config.tokenizer_path))
     work = Path(tempfile.mkdtemp(prefix="tandem-peers-"))
     gguf = None if "llama.cpp" in skip else download_default_gguf(work / "gguf")

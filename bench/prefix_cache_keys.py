@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.block_manager import hash_block, root_key  # noqa: E402
+from backend.core.block_manager import hash_block, root_key  # noqa: E402
 
 
 def python_hash_chain(blocks: list[list[int]]) -> None:

@@ -29,11 +29,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
+from helpers import free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from backend.request import SamplingParams  # noqa: E402
+from backend.types.sampling_params import SamplingParams  # noqa: E402
 from frontend.router import POLICIES, Router, parse_targets  # noqa: E402
-from helpers import free_port  # noqa: E402
 
 REQUEST_TIMEOUT_S = 120
 STARTUP_TIMEOUT_S = 120

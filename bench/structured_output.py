@@ -16,10 +16,10 @@ import argparse
 import statistics
 import time
 
-from backend.config import EngineConfig
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
-from backend import structured_output
+from backend.core import structured_output
+from backend.engine.llm_engine import LLMEngine
+from backend.types.config import EngineConfig
+from backend.types.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",

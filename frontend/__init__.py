@@ -5,7 +5,7 @@ in this process, with torch) is imported only when first used, so the frontend
 package itself stays torch-free.
 """
 
-from backend.request import SamplingParams
+from backend.types.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

@@ -12,7 +12,7 @@ one mapping of errors to OpenAI error JSON, and the edge's middleware
 (``frontend.middleware``: metrics, request IDs, the API key before any body is
 read, the body's size and time bounds, then admission) with the bound on the
 wait for a request's head (``frontend.http_protocol``). Every bound is a
-setting of ``backend.limits``.
+setting of ``backend.types.limits``.
 
 Requests reach the backends through ``frontend.router.Router`` (one backend or
 many). On startup the frontend loads the tokenizer from ``--tokenizer`` or fetches
@@ -47,33 +47,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerFast
 
-from backend.auth import TOKEN_ENV  # read when --backend-auth-token is not given
-from backend.config import EngineConfig
-from backend.errors import InvalidRequestError, TandemError
-from backend.limits import FRONTEND_LIMITS, Limits
-from backend.ports import check_port_free, port_error
-from backend.request import ModelInfo
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError, TandemError
+from backend.types.limits import FRONTEND_LIMITS, Limits
+from backend.types.outputs import ModelInfo
+from backend.types.ports import check_port_free, port_error
+from backend.types.wire import TOKEN_ENV  # read when --backend-auth-token is not given
 from frontend import protocol as P
 from frontend.cli import INSTANCE_ENV, INSTANCE_HEADER
 from frontend.engine_client import EngineClient
 from frontend.http_protocol import head_deadline_protocol
-from frontend.middleware import (
-    AdmissionMiddleware,
-    AuthenticationMiddleware,
-    BodyReaderMiddleware,
-    HttpMetrics,
-    MetricsMiddleware,
-    RequestIdMiddleware,
-)
+from frontend.middleware import (AdmissionMiddleware, AuthenticationMiddleware, BodyReaderMiddleware, HttpMetrics,
+                                 MetricsMiddleware, RequestIdMiddleware)
 from frontend.router import DEFAULT_PREFIX_TOKENS, POLICIES, Router, parse_targets
-from frontend.serving import (
-    HTTP_STATUS_CLIENT_CLOSED_REQUEST,
-    ClientDisconnectedError,
-    OpenAIServing,
-    error_body,
-    error_json_response,
-    error_of_exception,
-)
+from frontend.serving import (HTTP_STATUS_CLIENT_CLOSED_REQUEST, ClientDisconnectedError, OpenAIServing, error_body,
+                              error_json_response, error_of_exception)
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
 from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 

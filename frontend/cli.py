@@ -31,12 +31,12 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
-from backend.auth import TOKEN_ENV
-from backend.config import EngineConfig
-from backend.errors import TandemError
-from backend.limits import BACKEND_LIMITS, FRONTEND_LIMITS, Limits
-from backend.ports import PortInUseError, check_port_free
-from backend.request import SamplingParams
+from backend.types.config import EngineConfig
+from backend.types.errors import TandemError
+from backend.types.limits import BACKEND_LIMITS, FRONTEND_LIMITS, Limits
+from backend.types.ports import PortInUseError, check_port_free
+from backend.types.sampling_params import SamplingParams
+from backend.types.wire import TOKEN_ENV
 from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 POLL_INTERVAL_S = 0.2
@@ -313,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     # backend and frontend keep their own parsers: hand them the rest untouched.
     if argv[:1] == ["backend"]:
-        from backend.server import main as backend_main
+        from backend.server.main import main as backend_main
 
         return backend_main(argv[1:])
     if argv[:1] == ["frontend"]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Optional, Protocol, runtime_checkable
 
-from backend.request import EngineLoad, EngineOutput, ModelInfo, SamplingParams
+from backend.types.outputs import EngineLoad, EngineOutput, ModelInfo
+from backend.types.sampling_params import SamplingParams
 
 
 @runtime_checkable

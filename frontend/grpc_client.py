@@ -33,16 +33,16 @@ from typing import AsyncIterator, Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from backend.auth import AUTH_METADATA_KEY, TOKEN_ENV
-from backend.errors import (EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError,
-                            RequestTimeoutError, TandemError)
-from backend.limits import Limits
-from backend.request import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs, SamplingParams
+from backend.types.errors import (EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError,
+                                  RequestTimeoutError, TandemError)
+from backend.types.limits import Limits
+from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs
+from backend.types.sampling_params import SamplingParams
+from backend.types.wire import AUTH_METADATA_KEY, ERROR_PARAM_METADATA_KEY, TOKEN_ENV
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-ERROR_PARAM_METADATA_KEY = "tandem-error-param"
 UNARY_TIMEOUT_S = 30.0  # a backend that does not answer a unary call by then counts as unavailable
 HEALTH_TIMEOUT_S = 1.0
 # Reconnect within about a second of a restarted backend coming back (gRPC's default backoff
@@ -336,7 +336,7 @@ class GrpcEngineClient:
             pad_token_id=info.pad_token_id if info.HasField("pad_token_id") else None)
 
     async def tokenizer_fingerprint(self) -> str:
-        """The backend's tokenizer fingerprint (``backend.tokenizer_files.tokenizer_fingerprint``)."""
+        """The backend's tokenizer fingerprint (``backend.types.tokenizer_files.tokenizer_fingerprint``)."""
         info = await self._unary(self._engine.GetModelInfo, engine_pb2.GetModelInfoRequest())
         return info.tokenizer_fingerprint
 

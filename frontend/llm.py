@@ -11,9 +11,9 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
-from backend.config import EngineConfig
-from backend.errors import InvalidRequestError
-from backend.request import SamplingParams
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.sampling_params import SamplingParams
 from frontend.outputs import RequestOutput, RequestOutputBuilder
 from frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
 
@@ -32,7 +32,7 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, **kwargs: Any) -> None:
-        from backend.engine import AsyncLLMEngine  # torch lives behind this import
+        from backend.engine.async_llm_engine import AsyncLLMEngine  # torch lives behind this import
 
         config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
         self.engine = AsyncLLMEngine(config)

@@ -30,15 +30,9 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from backend.errors import OverloadedError, TandemError
-from frontend.serving import (
-    HTTP_STATUS_CLIENT_CLOSED_REQUEST,
-    AuthenticationError,
-    RequestTooLargeError,
-    error_body,
-    error_json_response,
-    error_of_exception,
-)
+from backend.types.errors import OverloadedError, TandemError
+from frontend.serving import (HTTP_STATUS_CLIENT_CLOSED_REQUEST, AuthenticationError, RequestTooLargeError, error_body,
+                              error_json_response, error_of_exception)
 
 REQUEST_ID_HEADER = b"x-request-id"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

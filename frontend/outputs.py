@@ -24,7 +24,8 @@ from typing import Optional, Union
 
 from transformers import PreTrainedTokenizerFast
 
-from backend.request import EngineOutput, FinishReason, Logprob, PositionLogprobs, SamplingParams
+from backend.types.outputs import EngineOutput, FinishReason, Logprob, PositionLogprobs
+from backend.types.sampling_params import SamplingParams
 from frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, decode_token
 
 

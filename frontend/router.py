@@ -43,14 +43,11 @@ from typing import AsyncIterator, Callable, Optional
 
 from prometheus_client.registry import Collector
 
-from backend.errors import InvalidRequestError, TandemError
-from backend.request import EngineLoad, EngineOutput, ModelInfo, SamplingParams
-from frontend.grpc_client import (
-    BackendCredentialsError,
-    BackendOverloadedError,
-    BackendUnavailableError,
-    GrpcEngineClient,
-)
+from backend.types.errors import InvalidRequestError, TandemError
+from backend.types.outputs import EngineLoad, EngineOutput, ModelInfo
+from backend.types.sampling_params import SamplingParams
+from frontend.grpc_client import (BackendCredentialsError, BackendOverloadedError, BackendUnavailableError,
+                                  GrpcEngineClient)
 from frontend.router_metrics import RouterCollector, merged_engine_metrics
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from backend.errors import TandemError
+from backend.types.errors import TandemError
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A request's life here:
 
-1. Check the model name and the request's bounds (``backend.limits``: prompt
+1. Check the model name and the request's bounds (``backend.types.limits``: prompt
    count, n, stop strings, logprobs; a prompt too long for the context is
    refused before it is tokenized), tokenize (chat template for chat; big
    inputs off the event loop, so one huge prompt never stalls the others; a
@@ -42,17 +42,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerFast
 
-from backend.errors import (EngineDeadError, InvalidRequestError, ModelNotFoundError, OverloadedError,
-                            RequestFailedError, RequestTimeoutError, TandemError)
-from backend.limits import Limits
-from backend.request import ModelInfo, PositionLogprobs, SamplingParams, StructuredOutputsParams
+from backend.types.errors import (EngineDeadError, InvalidRequestError, ModelNotFoundError, OverloadedError,
+                                  RequestFailedError, RequestTimeoutError, TandemError)
+from backend.types.limits import Limits
+from backend.types.outputs import ModelInfo, PositionLogprobs
+from backend.types.sampling_params import SamplingParams, StructuredOutputsParams
 from frontend import protocol as P
 from frontend.engine_client import EngineClient
 from frontend.outputs import RequestOutputBuilder, TextDelta
 from frontend.template_sandbox import sandbox_from_limits
 from frontend.tokenizer import decode_token, encode_prompt, prepare_chat, render_chat
-from frontend.tool_calls import (ToolReply, check_tools, choose_parser, constrained_tool_schema,
-                                 messages_for_template, template_supports_tools)
+from frontend.tool_calls import (ToolReply, check_tools, choose_parser, constrained_tool_schema, messages_for_template,
+                                 template_supports_tools)
 
 logger = logging.getLogger(__name__)
 

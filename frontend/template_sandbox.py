@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Optional
 
-from backend.errors import InvalidRequestError, OverloadedError
+from backend.types.errors import InvalidRequestError, OverloadedError
 from frontend import template_worker as W
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from typing import Any, Optional
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from backend.errors import InvalidRequestError, ModelNotFoundError
-from backend.tokenizer_files import tokenizer_fingerprint  # noqa: F401 -- one definition for both sides
+from backend.types.errors import InvalidRequestError, ModelNotFoundError
+from backend.types.tokenizer_files import tokenizer_fingerprint  # noqa: F401 -- one definition for both sides
 from frontend.template_worker import ChatRenderJob, TemplateRenderError, render_job
 from frontend.unicode_check import check_valid_unicode
 

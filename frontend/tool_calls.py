@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from backend.errors import InvalidRequestError
+from backend.types.errors import InvalidRequestError
 
 PARSERS = ("hermes", "llama3_json")
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"

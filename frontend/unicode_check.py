@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from backend.errors import InvalidRequestError
+from backend.types.errors import InvalidRequestError
 
 # Elements a list of numbers holds: such a list (a prompt of token IDs) is passed in one C-level scan.
 _SCALAR_TYPES = frozenset({int, float, bool, type(None)})

@@ -29,9 +29,10 @@ from typing import Optional
 
 from hypothesis import strategies as st
 
-from backend.engine import LLMEngine
-from backend.errors import InvalidRequestError, RequestFailedError
-from backend.request import FinishReason, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.types.errors import InvalidRequestError, RequestFailedError
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
 from frontend.tool_calls import constrained_tool_schema
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

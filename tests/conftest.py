@@ -80,8 +80,8 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_llama_engine(tiny_checkpoint):
     """An LLMEngine on the tiny random Llama (fp32, 256 blocks of 4 tokens, 256-token context), per module."""
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
+    from backend.types.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
                                     num_kv_blocks=256, max_model_len=256))
@@ -92,8 +92,8 @@ def tiny_llama_engine(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real SmolLM2-135M-Instruct, fetched and converted once into $TANDEM_CACHE."""
-    from backend.config import EngineConfig
     from backend.models.loader import resolve_model
+    from backend.types.config import EngineConfig
 
     return resolve_model(None, cache_dir=EngineConfig().cache_dir)
 

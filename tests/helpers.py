@@ -86,7 +86,7 @@ def uvicorn_on(loop: LoopThread, app, **config) -> Iterator[str]:
 def backend_and_frontend(loop: LoopThread, engine, limits=None) -> Iterator[tuple]:
     """``engine`` behind the backend's gRPC server and a frontend app over it (GrpcEngineClient), both
     on ``loop``: yields (server, gRPC address, HTTP base URL); stops both, not the engine."""
-    from backend.server import BackendServer
+    from backend.server.grpc_server import BackendServer
     from frontend.api_server import create_app
     from frontend.grpc_client import GrpcEngineClient
     from frontend.tokenizer import load_tokenizer

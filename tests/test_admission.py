@@ -21,18 +21,18 @@ from typing import Iterator, Optional
 import grpc
 import httpx
 import pytest
+from conftest import TINY_VOCAB, build_tokenizer
+from helpers import LoopThread, backend_and_frontend, uvicorn_on, wait_for
 from prometheus_client import generate_latest
 
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine
-from backend.limits import Limits
-from backend.request import EngineOutput, FinishReason, ModelInfo
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.types.config import EngineConfig
+from backend.types.limits import Limits
+from backend.types.outputs import EngineOutput, FinishReason, ModelInfo
 from frontend.api_server import create_app
 from frontend.grpc_client import GrpcEngineClient
 from frontend.tokenizer import load_tokenizer
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
-from helpers import LoopThread, backend_and_frontend, uvicorn_on, wait_for
-from conftest import TINY_VOCAB, build_tokenizer
 
 COMPLETION = {"prompt": "Hello", "max_tokens": 4}
 

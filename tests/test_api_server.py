@@ -22,12 +22,13 @@ from typing import Optional
 import httpx
 import pytest
 import uvicorn
+from conftest import TINY_VOCAB, build_tokenizer
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.errors import InvalidRequestError
-from backend.request import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, SamplingParams
-from conftest import TINY_VOCAB, build_tokenizer
+from backend.types.errors import InvalidRequestError
+from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo
+from backend.types.sampling_params import SamplingParams
 from frontend import api_server
 from frontend.api_server import create_app, fetch_backend_tokenizer
 from frontend.grpc_client import BackendOverloadedError, BackendUnavailableError
@@ -193,7 +194,7 @@ def test_importing_and_building_the_app_does_not_import_torch(tokenizer_dir):
 import sys
 sys.path.insert(0, {str(REPO_ROOT / 'tests')!r})
 import frontend.api_server, frontend.cli
-from backend.request import ModelInfo
+from backend.types.outputs import ModelInfo
 from frontend.tokenizer import load_tokenizer
 from test_api_server import FakeEngine
 tokenizer = load_tokenizer({str(tokenizer_dir)!r})

@@ -17,11 +17,11 @@ import json
 import os
 
 import pytest
+from batch_mix import assert_same_as_alone, request_specs, run_batch
 from hypothesis import HealthCheck, given, settings
 
-from backend.config import EngineConfig
-from backend.engine import LLMEngine
-from batch_mix import assert_same_as_alone, request_specs, run_batch
+from backend.engine.llm_engine import LLMEngine
+from backend.types.config import EngineConfig
 
 FUZZ_BATCHES_CI = 320
 MAX_MODEL_LEN = 64

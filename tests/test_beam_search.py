@@ -1,13 +1,14 @@
-"""Beam search in the engine (backend/beam_search.py) on a tiny random Llama, scored against HF."""
+"""Beam search in the engine (backend/core/beam_search.py) on a tiny random Llama, scored against HF."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backend.engine import LLMEngine
-from backend.errors import InvalidRequestError
-from backend.request import FinishReason, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.types.errors import InvalidRequestError
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9]
 

@@ -3,8 +3,9 @@
 import hashlib
 import struct
 
-from backend.block_manager import BlockManager, hash_block, root_key
-from backend.request import Request, SamplingParams
+from backend.core.block_manager import BlockManager, hash_block, root_key
+from backend.core.request import Request
+from backend.types.sampling_params import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int], cache_salt=None, **params) -> Request:

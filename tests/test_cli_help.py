@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from backend.config import FIELD_HELP, EngineConfig
+from backend.types.config import FIELD_HELP, EngineConfig
 
 
 def test_every_engine_flag_has_help_with_its_default():

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers as T
 
-from backend.config import EngineConfig
-from backend.engine import LLMEngine
-from backend.request import SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.types.config import EngineConfig
+from backend.types.sampling_params import SamplingParams
 
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 90]
 MAX_TOKENS = 16

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from backend import cuda_graphs
-from backend.cuda_graphs import DecodeGraphs, FakeGraph, capture_sizes, padded_size
-from backend.models.attention import AttentionMetadata
 from test_correctness import GREEDY, hf_greedy, make_engine, random_prompts, run_engine
 
+from backend.models.attention import AttentionMetadata
+from backend.models.resolve import resolve_config
+from backend.worker import cuda_graphs
+from backend.worker.cuda_graphs import DecodeGraphs, FakeGraph, capture_sizes, padded_size
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -134,11 +134,11 @@ def test_enforce_eager_captures_nothing(tiny_checkpoint, fake_graphs):
 
 def test_profile_step_runs_the_largest_step_and_unbinds_its_cache(tiny_checkpoint):
     """The step the CUDA runner measures before sizing the KV cache (here on the CPU)."""
-    from backend.config import EngineConfig
-    from backend.worker import Worker
+    from backend.types.config import EngineConfig
+    from backend.worker.worker import Worker
 
-    config = EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
-                          max_num_seqs=5, max_num_batched_tokens=47, max_model_len=64).resolve()
+    config = resolve_config(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
+                          max_num_seqs=5, max_num_batched_tokens=47, max_model_len=64))
     worker = Worker(config)
     worker.load_model()
     runner = worker.runner

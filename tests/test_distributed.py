@@ -21,16 +21,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine, LLMEngine
-from backend.errors import EngineDeadError, InvalidRequestError, WorkerDiedError
-from backend.request import SamplingParams
-from backend.server import BackendServer
-from helpers import LoopThread
 from distributed_helpers import child_pids, is_alive, no_leftover_children, wait_until  # noqa: F401
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import LoopThread
 from test_correctness import make_engine, random_prompts, run_engine
+
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.server.grpc_server import BackendServer
+from backend.types.config import EngineConfig
+from backend.types.errors import EngineDeadError, InvalidRequestError, WorkerDiedError
+from backend.types.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("no_leftover_children")]
 

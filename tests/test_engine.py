@@ -7,11 +7,13 @@ import time
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine, LLMEngine
-from backend.errors import InvalidRequestError
-from backend.limits import Limits
-from backend.request import FinishReason, SamplingParams
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.limits import Limits
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
 
 
 def config(model_dir, **kwargs) -> EngineConfig:

@@ -18,14 +18,14 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import LoopThread, free_port, stop_process, wait_for
 from prometheus_client import generate_latest
 
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine
-from backend.request import SamplingParams
-from backend.server import BackendServer
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.server.grpc_server import BackendServer
+from backend.types.config import EngineConfig
+from backend.types.sampling_params import SamplingParams
 from frontend.grpc_client import BackendUnavailableError, GrpcEngineClient
-from helpers import LoopThread, free_port, stop_process, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POISON = [99, 98, 97]
@@ -34,14 +34,15 @@ ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "
 # `python -c` source of a backend whose engine step raises when a poison prompt is scheduled.
 POISONED_BACKEND = f"""
 import sys
-from backend import engine, server
-step = engine.LLMEngine.step
+from backend.engine import llm_engine
+from backend.server import main as server_main
+step = llm_engine.LLMEngine.step
 def poisoned_step(self):
     if any(list(r.prompt_token_ids[:3]) == {POISON} for r in self.scheduler.requests.values()):
         raise RuntimeError("injected engine failure")
     return step(self)
-engine.LLMEngine.step = poisoned_step
-sys.exit(server.main(sys.argv[1:]))
+llm_engine.LLMEngine.step = poisoned_step
+sys.exit(server_main.main(sys.argv[1:]))
 """
 
 

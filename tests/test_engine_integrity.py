@@ -14,11 +14,13 @@ import re
 
 import pytest
 
-from backend import sampler as sampler_module
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine, LLMEngine
-from backend.errors import RequestFailedError
-from backend.request import FinishReason, SamplingParams
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.types.config import EngineConfig
+from backend.types.errors import RequestFailedError
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
+from backend.worker import sampler as sampler_module
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -240,8 +242,8 @@ def test_async_engine_raises_request_failed_for_that_request_only(tiny_checkpoin
 def test_a_failed_request_is_a_500_over_http_and_grpc_while_the_server_serves_on(tiny_checkpoint, poisoned_penalties):
     import grpc
     import httpx
-
     from helpers import LoopThread, backend_and_frontend
+
     from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
     loop = LoopThread()

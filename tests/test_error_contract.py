@@ -15,12 +15,12 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine
-from backend.limits import Limits
-from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 from helpers import LoopThread, backend_and_frontend
+
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.types.config import EngineConfig
+from backend.types.limits import Limits
+from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 MAX_MODEL_LEN = 64
 VOCAB = 384

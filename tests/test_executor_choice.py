@@ -8,12 +8,13 @@ import types
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.errors import InvalidRequestError
+from backend.models.resolve import resolve_config
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
 
 
 def resolved(model, **kwargs) -> EngineConfig:
-    return EngineConfig(model=str(model), dtype="float32", **kwargs).resolve()
+    return resolve_config(EngineConfig(model=str(model), dtype="float32", **kwargs))
 
 
 def test_one_worker_is_uni_several_on_this_machine_mp_and_ray_once_this_process_joined_ray(
@@ -41,7 +42,7 @@ def test_an_unknown_executor_is_refused_naming_the_choices(tiny_checkpoint):
 
 
 def test_the_ray_executor_without_ray_says_how_to_install_it(tiny_checkpoint, monkeypatch):
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     with pytest.raises(InvalidRequestError, match=r"needs Ray, which is not installed: pip install 'tandem\[ray\]'"):
@@ -50,7 +51,7 @@ def test_the_ray_executor_without_ray_says_how_to_install_it(tiny_checkpoint, mo
 
 
 def test_external_launcher_outside_a_launcher_names_the_missing_variable(tiny_checkpoint, monkeypatch):
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

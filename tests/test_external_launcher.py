@@ -12,9 +12,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from backend.request import SamplingParams
 from test_correctness import make_engine, random_prompts, run_engine
+
+from backend.types.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
-    from backend.errors import EngineDeadError
+    from backend.types.errors import EngineDeadError
     from frontend import LLM, SamplingParams
 
     model_dir, out_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -1,4 +1,4 @@
-"""Grammar compilation bounded in time and parallelism (backend/grammar_compiler.py).
+"""Grammar compilation bounded in time and parallelism (backend/core/structured_output/compiler.py).
 
 The slow spec is a JSON Schema of objects nested 400 deep (36 KB): xgrammar spends ~16 s of CPU
 turning it into EBNF (measured; about cubic in the depth), whatever the vocabulary, so a
@@ -11,13 +11,15 @@ import asyncio
 import time
 
 import pytest
-
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine, LLMEngine
-from backend.errors import EngineDeadError, InvalidRequestError
-from backend.grammar_compiler import GrammarCompiler
-from backend.request import FinishReason, SamplingParams, StructuredOutputsParams
 from conftest import TINY_VOCAB
+
+from backend.core.structured_output.compiler import GrammarCompiler
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.types.config import EngineConfig
+from backend.types.errors import EngineDeadError, InvalidRequestError
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams, StructuredOutputsParams
 
 TIMEOUT_S = 2.0
 

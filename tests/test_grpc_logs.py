@@ -7,7 +7,7 @@ import logging
 import pytest
 from grpc._cython import cygrpc
 
-from backend import grpc_logs
+from backend.server import grpc_logs
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The backend's gRPC server (backend/server.py) and the frontend's GrpcEngineClient, on CPU.
+"""The backend's gRPC server (backend/server/) and the frontend's GrpcEngineClient, on CPU.
 
 One server runs on a tiny random Llama for the whole module, on an event loop
 of its own thread; tests talk to it through the generated stubs (as any client
@@ -24,24 +24,22 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import LoopThread, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend import grpc_logs
-from backend import server as server_module
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine, LLMEngine
-from backend.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
-from backend.request import FinishReason, SamplingParams
-from backend.server import BackendServer, EngineServicer
-from backend.tokenizer_files import tokenizer_fingerprint
-from frontend.grpc_client import (
-    BackendError,
-    BackendOverloadedError,
-    BackendUnavailableError,
-    GrpcEngineClient,
-    error_from_status,
-)
-from helpers import LoopThread, free_port
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.server import grpc_logs
+from backend.server import servicer as server_module
+from backend.server.grpc_server import BackendServer
+from backend.server.servicer import EngineServicer
+from backend.types.config import EngineConfig
+from backend.types.errors import EngineDeadError, InvalidRequestError, RequestFailedError, RequestTimeoutError
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
+from backend.types.tokenizer_files import tokenizer_fingerprint
+from frontend.grpc_client import (BackendError, BackendOverloadedError, BackendUnavailableError, GrpcEngineClient,
+                                  error_from_status)
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -463,7 +461,8 @@ def test_grpc_engine_client_is_an_engine_client(backend, slow_steps):
     (grpc.StatusCode.UNAVAILABLE, BackendUnavailableError),
     (grpc.StatusCode.DEADLINE_EXCEEDED, RequestTimeoutError),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, BackendOverloadedError),
-    (grpc.StatusCode.INTERNAL, BackendError),
+    (grpc.StatusCode.INTERNAL, RequestFailedError),  # one request failed in the backend, which goes on
+    (grpc.StatusCode.UNIMPLEMENTED, BackendError),
 ])
 def test_status_codes_become_typed_errors(code, kind):
     trailing = grpc.aio.Metadata(("tandem-error-param", "top_p"))

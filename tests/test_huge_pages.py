@@ -1,4 +1,4 @@
-"""backend.huge_pages: a CPU model's large mappings moved onto 2 MB pages, contents unchanged."""
+"""backend.worker.huge_pages: a CPU model's large mappings moved onto 2 MB pages, contents unchanged."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from backend.huge_pages import large_anonymous_mappings
+from backend.worker.huge_pages import large_anonymous_mappings
 
 
 def anon_huge_bytes() -> int:
@@ -36,7 +36,7 @@ def test_a_large_tensor_is_in_the_mappings_found():
 def test_collapsing_moves_a_touched_tensor_onto_huge_pages_and_keeps_its_values():
     script = """
 import torch
-from backend.huge_pages import collapse_large_mappings, huge_pages_enabled
+from backend.worker.huge_pages import collapse_large_mappings, huge_pages_enabled
 from test_huge_pages import anon_huge_bytes
 weights = torch.randn(8 << 20)  # 32 MB, touched
 expected = weights.clone()
@@ -56,7 +56,7 @@ def test_memory_advised_before_it_is_touched_faults_in_on_huge_pages():
     """The KV cache's allocation: advised while fresh, then zeroed."""
     script = """
 import torch
-from backend.huge_pages import advise_huge_pages, huge_pages_enabled
+from backend.worker.huge_pages import advise_huge_pages, huge_pages_enabled
 from test_huge_pages import anon_huge_bytes
 cache = torch.empty(8 << 20)  # 32 MB, not yet touched
 before = anon_huge_bytes()

@@ -14,17 +14,17 @@ import typing
 from typing import Any, Union
 
 import pytest
+from conftest import TINY_VOCAB, build_tokenizer
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
+from test_api_server import FakeEngine
 
-from backend.errors import InvalidRequestError
-from backend.request import ModelInfo
-from conftest import TINY_VOCAB, build_tokenizer
+from backend.types.errors import InvalidRequestError
+from backend.types.outputs import ModelInfo
 from frontend import protocol as P
 from frontend.api_server import create_app
 from frontend.tokenizer import load_tokenizer
 from frontend.unicode_check import check_valid_unicode, find_invalid_unicode
-from test_api_server import FakeEngine
 
 BAD = "ok \ud800 there"  # a lone high surrogate
 BAD_LOW = "\udc00"  # a lone low surrogate

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_correctness import make_engine, random_prompts, run_engine
+from test_kernels_cpu import TOL, _batch, reference_and_fused_attention
 
 import kernels
 import kernels.cpu as cpu
-from backend.config import EngineConfig
-from backend.errors import InvalidRequestError
-from backend.request import SamplingParams
+from backend.models.resolve import resolve_config
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.sampling_params import SamplingParams
 from kernels import reference
-from test_correctness import make_engine, random_prompts, run_engine
-from test_kernels_cpu import TOL, _batch, reference_and_fused_attention
 
 FP8 = torch.float8_e4m3fn
 
@@ -33,7 +34,7 @@ def test_fp8_caches_are_refused_on_cuda(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = EngineConfig(model=str(tiny_checkpoint("llama")), device="cuda", kv_cache_dtype="fp8")
     with pytest.raises(InvalidRequestError, match="implemented for the CPU") as info:
-        config.resolve()
+        resolve_config(config)
     assert info.value.param == "kv_cache_dtype"
 
 

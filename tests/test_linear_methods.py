@@ -8,18 +8,18 @@ import sys
 
 import pytest
 import torch
-import kernels.reference
 import transformers as T
-
-from backend.config import EngineConfig
-from backend.errors import InvalidRequestError
-from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
-import kernels.cpu
-from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int8LinearMethod,
-                                           OneDnnLinearMethod, W8A8LinearMethod, linear_method_for, quantize_int8)
-from backend.request import SamplingParams
 from test_correctness import hf_greedy, make_engine, random_prompts, run_engine
 from test_kernels_cpu import needs_amx
+
+import kernels.cpu
+import kernels.reference
+from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
+from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int8LinearMethod, OneDnnLinearMethod,
+                                           W8A8LinearMethod, linear_method_for, quantize_int8)
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.sampling_params import SamplingParams
 
 
 def layer_with(method, in_features=40, out_features=24, seed=0, dtype=torch.float32):

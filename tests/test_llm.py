@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from backend.errors import InvalidRequestError, ModelNotFoundError
+from backend.types.errors import InvalidRequestError, ModelNotFoundError
 from frontend import LLM, SamplingParams
 
 

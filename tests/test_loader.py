@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from backend.config import EngineConfig
-from backend.errors import ModelNotFoundError
-from backend.models import default_model, loader
+from backend.models import conversion, default_model, loader
 from backend.models.loader import iter_weights, load_hf_config, resolve_model
+from backend.types.config import EngineConfig
+from backend.types.errors import ModelNotFoundError
 
 TINY_VOCAB = 128
 
@@ -279,7 +279,7 @@ def test_gguf_file_is_converted_once_into_a_plain_checkpoint(tmp_path, monkeypat
     def no_second_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(loader, "convert_gguf", no_second_conversion)
+    monkeypatch.setattr(conversion, "convert_gguf", no_second_conversion)
     assert resolve_model(str(gguf_file), cache_dir) == converted
 
 
@@ -287,12 +287,12 @@ def test_changed_gguf_file_gets_a_new_conversion(tmp_path, monkeypatch):
     gguf_file = tmp_path / "tiny.gguf"
     gguf_file.write_bytes(b"GGUF")
     targets = []
-    monkeypatch.setattr(loader, "convert_gguf",
-                        lambda source, out: (out / loader.CONVERTED_MARKER).write_bytes(b""))
+    monkeypatch.setattr(conversion, "convert_gguf",
+                        lambda source, out: (out / conversion.CONVERTED_MARKER).write_bytes(b""))
     targets.append(resolve_model(str(gguf_file), tmp_path / "cache"))
     os.utime(gguf_file, ns=(0, 10**18))
     targets.append(resolve_model(str(gguf_file), tmp_path / "cache"))
-    assert targets[0] != targets[1] and all(loader.is_converted(t) for t in targets)
+    assert targets[0] != targets[1] and all(conversion.is_converted(t) for t in targets)
 
 
 def test_unreadable_gguf_is_a_model_error(tmp_path):
@@ -308,11 +308,11 @@ def test_build_once_keeps_the_copy_of_whoever_finished_first(tmp_path):
 
     def build_while_another_process_wins(scratch: Path) -> None:
         target.mkdir(parents=True)  # the other process renamed its complete copy into place
-        (target / loader.CONVERTED_MARKER).write_text("theirs")
-        (scratch / loader.CONVERTED_MARKER).write_text("ours")
+        (target / conversion.CONVERTED_MARKER).write_text("theirs")
+        (scratch / conversion.CONVERTED_MARKER).write_text("ours")
 
-    assert loader.build_once(target, build_while_another_process_wins) == target
-    assert (target / loader.CONVERTED_MARKER).read_text() == "theirs"
+    assert conversion.build_once(target, build_while_another_process_wins) == target
+    assert (target / conversion.CONVERTED_MARKER).read_text() == "theirs"
     assert [p.name for p in target.parent.iterdir()] == ["m"]  # our scratch copy was dropped
 
 
@@ -353,11 +353,11 @@ def test_default_model_is_fetched_converted_and_reused(monkeypatch):
 def test_slow_only_tokenizer_is_converted_once_to_tokenizer_json(tmp_path, monkeypatch):
     import json
 
+    from conftest import build_tokenizer
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from backend.models import loader
-    from conftest import build_tokenizer
 
     fast_dir = tmp_path / "fast"
     build_tokenizer(fast_dir)

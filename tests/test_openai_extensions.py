@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-
-from backend.request import ModelInfo
 from conftest import TINY_VOCAB
+from fastapi.testclient import TestClient
+from test_api_server import CHAT, MODEL, assert_openai_error, engine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
+
+from backend.types.outputs import ModelInfo
 from frontend.api_server import create_app
 from frontend.protocol import UNSUPPORTED_FIELDS
-from test_api_server import CHAT, MODEL, assert_openai_error, engine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

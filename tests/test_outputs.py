@@ -8,11 +8,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_tokenizer import build_byte_level_tokenizer, continuation
 
-from backend.request import EngineOutput, FinishReason, Logprob, SamplingParams
+from backend.types.outputs import EngineOutput, FinishReason, Logprob
+from backend.types.sampling_params import SamplingParams
 from frontend.outputs import RequestOutputBuilder, SequenceDecoder
 from frontend.tokenizer import decode_token, encode_prompt, load_tokenizer, render_chat
-from test_tokenizer import build_byte_level_tokenizer, continuation
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,7 +195,8 @@ def test_builder_aggregates_n_sequences_in_index_order(tokenizer, prompt_ids):
 def test_frontend_token_processing_never_imports_torch(tokenizer_dir):
     script = textwrap.dedent(f"""
         import sys
-        from backend.request import EngineOutput, FinishReason, Logprob, SamplingParams
+        from backend.types.outputs import EngineOutput, FinishReason, Logprob
+        from backend.types.sampling_params import SamplingParams
         from frontend.outputs import RequestOutputBuilder
         from frontend.tokenizer import encode_prompt, load_tokenizer, render_chat, tokenizer_fingerprint
         tok = load_tokenizer({tokenizer_dir!r})

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.request import SamplingParams
+from backend.types.sampling_params import SamplingParams
 from frontend.router import Router, parse_targets
-from helpers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--max-model-len", "256"]

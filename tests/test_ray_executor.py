@@ -11,11 +11,11 @@ import os
 import time
 
 import pytest
-
-from backend.errors import WorkerDiedError
-from backend.request import SamplingParams
 from distributed_helpers import child_pids, wait_until
 from test_correctness import make_engine, random_prompts, run_engine
+
+from backend.types.errors import WorkerDiedError
+from backend.types.sampling_params import SamplingParams
 
 # Ray is in tandem[test] (so CI runs these); a checkout installed without it skips them, saying why.
 ray = pytest.importorskip("ray", reason="the ray executor's tests need Ray: pip install 'tandem[ray]'")

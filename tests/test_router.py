@@ -15,9 +15,10 @@ from typing import Optional
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.errors import InvalidRequestError
-from backend.request import EngineLoad, EngineOutput, FinishReason, ModelInfo, SamplingParams
 import frontend.router
+from backend.types.errors import InvalidRequestError
+from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, ModelInfo
+from backend.types.sampling_params import SamplingParams
 from frontend.grpc_client import BackendCredentialsError, BackendOverloadedError, BackendUnavailableError
 from frontend.router import Router, Target, parse_targets, prefix_key
 

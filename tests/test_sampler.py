@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from backend.request import SamplingParams
-import backend.sampler as sampler_module
-from backend.sampler import Sampler, SamplingRow, _apply_penalties, _apply_top_p, compute_prompt_logprobs
+import backend.worker.sampler as sampler_module
+from backend.types.sampling_params import SamplingParams
+from backend.worker.sampler import Sampler, SamplingRow, _apply_penalties, _apply_top_p, compute_prompt_logprobs
 
 VOCAB = 200
 
@@ -367,7 +367,7 @@ def test_logprob_token_ids_return_those_tokens_with_their_ranks():
 
 
 def test_structured_output_mask_leaves_only_allowed_tokens():
-    from backend.structured_output import TokenBitmask
+    from backend.messages.grammar_mask import TokenBitmask
 
     logits = random_logits(2)
     bitmask = torch.zeros(1, -(-VOCAB // 32), dtype=torch.int32)

@@ -1,8 +1,10 @@
 """Scheduler: token budget, chunked prefill, max_num_seqs, prefix hits, preemption."""
 
-from backend.block_manager import BlockManager
-from backend.request import FinishReason, Request, RequestStatus, SamplingParams
-from backend.scheduler import Scheduler
+from backend.core.block_manager import BlockManager
+from backend.core.request import Request, RequestStatus
+from backend.core.scheduler import Scheduler
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens=32, chunked=True,

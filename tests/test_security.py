@@ -23,18 +23,19 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from backend.auth import ServerSecurity, is_loopback
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine
-from backend.errors import InvalidRequestError
-from backend.request import SamplingParams
-from backend.server import BackendServer
-from backend.server import main as backend_main
-from frontend.api_server import StartupError, wait_for_backend
-from frontend.grpc_client import BackendCredentialsError, BackendError, ChannelSecurity, GrpcEngineClient, error_from_status
-from frontend.router import Router, parse_targets
 from helpers import LoopThread, free_port
+
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.server.auth import ServerSecurity, is_loopback
+from backend.server.grpc_server import BackendServer
+from backend.server.main import main as backend_main
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.sampling_params import SamplingParams
+from frontend.api_server import StartupError, wait_for_backend
+from frontend.grpc_client import (BackendCredentialsError, BackendError, ChannelSecurity, GrpcEngineClient,
+                                  error_from_status)
+from frontend.router import Router, parse_targets
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 TOKEN = "s3cret-token"

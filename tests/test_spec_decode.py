@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from backend.config import EngineConfig, SpeculativeConfig
-from backend.errors import InvalidRequestError
-from backend.request import SamplingParams
-from backend.spec_decode import NgramProposer, accept_drafts
 from test_correctness import hf_greedy, make_engine, random_prompts, run_engine
+
+from backend.core.spec_decode import NgramProposer
+from backend.types.config import EngineConfig, SpeculativeConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.sampling_params import SamplingParams
+from backend.worker.draft_acceptance import accept_drafts
 
 
 def proposer(k=3, lo=1, hi=3):

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pickle
 import random
 
-from backend.block_manager import BlockManager
+from backend.core.block_manager import BlockManager
+from backend.core.request import Request
+from backend.core.scheduler import Scheduler
 from backend.executor.step_delta import StepDecoder, StepEncoder
-from backend.request import FinishReason, Request, SamplingParams
-from backend.scheduler import Scheduler
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
 
 FIELDS = ("request_id", "token_ids", "start_pos", "block_ids", "needs_sample", "sampling_params",
           "prompt_token_ids", "output_token_ids", "eos_token_id", "num_draft_tokens")

@@ -14,11 +14,13 @@ import threading
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.engine import AsyncLLMEngine, LLMEngine
-from backend.errors import InvalidRequestError
-from backend.request import MAX_STRUCTURED_OUTPUT_CHARS, FinishReason, SamplingParams, StructuredOutputsParams
-from backend.structured_output import GrammarBitmask, TokenBitmask
+from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.engine.llm_engine import LLMEngine
+from backend.messages.grammar_mask import GrammarBitmask, TokenBitmask
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import MAX_STRUCTURED_OUTPUT_CHARS, SamplingParams, StructuredOutputsParams
 
 BOUNDED_SCHEMA = {
     "type": "object",

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import build_tokenizer
 from helpers import free_port, http_status, stop_process, wait_for
 
@@ -31,8 +30,8 @@ FRONTEND = """
 import sys
 sys.path.insert(0, {tests!r})
 import uvicorn
-from backend.limits import Limits
-from backend.request import ModelInfo
+from backend.types.limits import Limits
+from backend.types.outputs import ModelInfo
 from frontend.api_server import create_app
 from frontend.tokenizer import load_tokenizer
 from test_api_server import FakeEngine

@@ -15,20 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
-
-from backend.errors import InvalidRequestError, OverloadedError
-from backend.limits import FRONTEND_LIMITS, Limits
-from backend.request import ModelInfo
 from conftest import TINY_VOCAB, build_tokenizer
+from fastapi.testclient import TestClient
+from helpers import wait_for
+from test_api_server import FakeEngine
+
+from backend.types.errors import InvalidRequestError, OverloadedError
+from backend.types.limits import FRONTEND_LIMITS, Limits
+from backend.types.outputs import ModelInfo
 from frontend import api_server, cli
 from frontend.api_server import create_app
 from frontend.serving import OpenAIServing
 from frontend.template_sandbox import TemplateSandbox
 from frontend.template_worker import ChatRenderJob, render_job
 from frontend.tokenizer import load_tokenizer, prepare_chat
-from helpers import wait_for
-from test_api_server import FakeEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "user", "content": "ab"}]

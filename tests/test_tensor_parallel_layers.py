@@ -11,15 +11,16 @@ import torch.nn.functional as F
 import backend.distributed as distributed
 import backend.models.linear as linear
 import backend.models.vocab_parallel as vocab_parallel
-from backend.config import EngineConfig
 from backend.distributed import ParallelState, stage_layers
-from backend.errors import InvalidRequestError
 from backend.models.layers import PPMissingLayer
-from backend.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                   QKVParallelLinear, RowParallelLinear, partition_heads)
+from backend.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                   RowParallelLinear, partition_heads)
 from backend.models.loader import iter_weights
 from backend.models.registry import parallel_size_problem
+from backend.models.resolve import resolve_config
 from backend.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
 
 
 @pytest.fixture
@@ -146,8 +147,8 @@ def test_vocab_parallel_embedding_and_tied_lm_head(as_rank, tp):
 def test_a_pipeline_stage_loads_only_its_layers_and_a_tied_head(as_rank, tiny_checkpoint):
     """Qwen2's tiny model ties its LM head: the last stage, which has no embedding, loads the
     embedding's tensor into its head; the first stage has no head at all."""
-    from backend.models.loader import load_hf_config
     from backend.models.llama import Qwen2ForCausalLM
+    from backend.models.loader import load_hf_config
 
     model_dir = tiny_checkpoint("qwen2")
     config = load_hf_config(model_dir)
@@ -177,9 +178,9 @@ def test_sizes_the_model_cannot_be_split_by_are_refused_before_any_worker_starts
     assert parallel_size_problem(smollm2, 1, 31)[0] == "pipeline_parallel_size"
     model = str(tiny_checkpoint("llama"))  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(InvalidRequestError, match="split over 3 ranks") as error:
-        EngineConfig(model=model, tensor_parallel_size=3).resolve()
+        resolve_config(EngineConfig(model=model, tensor_parallel_size=3))
     assert error.value.param == "tensor_parallel_size"
     with pytest.raises(InvalidRequestError, match="larger than the model's 2 layers"):
-        EngineConfig(model=model, pipeline_parallel_size=3).resolve()
+        resolve_config(EngineConfig(model=model, pipeline_parallel_size=3))
     with pytest.raises(InvalidRequestError, match="'uni' executor runs one worker"):
-        EngineConfig(model=model, tensor_parallel_size=2, distributed_executor_backend="uni").resolve()
+        resolve_config(EngineConfig(model=model, tensor_parallel_size=2, distributed_executor_backend="uni"))

@@ -16,16 +16,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from backend.errors import InvalidRequestError, ModelNotFoundError
-from frontend.tokenizer import (
-    IncrementalDetokenizer,
-    StopStringMatcher,
-    decode_token,
-    encode_prompt,
-    load_tokenizer,
-    render_chat,
-    tokenizer_fingerprint,
-)
+from backend.types.errors import InvalidRequestError, ModelNotFoundError
+from frontend.tokenizer import (IncrementalDetokenizer, StopStringMatcher, decode_token, encode_prompt, load_tokenizer,
+                                render_chat, tokenizer_fingerprint)
 
 CORPUS = [
     "Hello world, this is a small corpus for a tiny tokenizer.",

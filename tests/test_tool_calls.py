@@ -7,7 +7,7 @@ import json
 import jinja2
 import pytest
 
-from backend.errors import InvalidRequestError
+from backend.types.errors import InvalidRequestError
 from frontend.tool_calls import (StreamingToolCallParser, calls_from_constrained, check_tools, choose_parser,
                                  constrained_tool_schema, messages_for_template, parse_tool_calls)
 

@@ -1,14 +1,14 @@
-"""The CPU's decode graphs (backend/traced_graph.py): a function's dispatcher ops recorded once and
+"""The CPU's decode graphs (backend/worker/traced_graph.py): a function's dispatcher ops recorded once and
 replayed on refilled buffers, and an engine whose decode steps replay them still HF-exact."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_correctness import GREEDY, hf_greedy, make_engine, random_prompts, run_engine
 
 import kernels
-from backend.traced_graph import TracedGraph, compile_replay, torchscript_source, trace_ops
-from test_correctness import GREEDY, hf_greedy, make_engine, random_prompts, run_engine
+from backend.worker.traced_graph import TracedGraph, compile_replay, torchscript_source, trace_ops
 
 
 def call_targets(module):

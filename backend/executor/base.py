@@ -19,10 +19,10 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional
 
-from backend.config import EngineConfig
-from backend.errors import WorkerDiedError
-from backend.model_runner import ModelRunnerOutput
-from backend.scheduler import SchedulerOutput
+from backend.messages.runner_output import ModelRunnerOutput
+from backend.messages.scheduler_output import SchedulerOutput
+from backend.types.config import EngineConfig
+from backend.types.errors import WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +81,3 @@ class Executor(ABC):
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise self.failure
-
-
-def create_executor(config: EngineConfig) -> Executor:
-    """The executor ``config.executor_backend`` names (``config`` is resolved and checked)."""
-    backend = config.executor_backend
-    if backend == "uni":
-        from backend.executor.uni import UniExecutor
-
-        return UniExecutor(config)
-    if backend == "mp":
-        from backend.executor.mp import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    if backend == "ray":
-        from backend.executor.ray import RayExecutor
-
-        return RayExecutor(config)
-    from backend.executor.external_launcher import ExternalLauncherExecutor
-
-    return ExternalLauncherExecutor(config)

@@ -17,13 +17,13 @@ import hashlib
 import os
 from typing import Any
 
-from backend.config import EngineConfig
 from backend.distributed import all_gather_object, broadcast_object, get_parallel_state, output_rank
-from backend.errors import InvalidRequestError
 from backend.executor.base import Executor
-from backend.model_runner import ModelRunnerOutput
-from backend.scheduler import SchedulerOutput
-from backend.worker import Worker, cpu_share
+from backend.messages.runner_output import ModelRunnerOutput
+from backend.messages.scheduler_output import SchedulerOutput
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.worker.worker import Worker, cpu_share
 
 
 def launcher_env(name: str) -> int:

@@ -29,14 +29,15 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from backend.config import EngineConfig
 from backend.distributed import output_rank
-from backend.errors import WorkerDiedError
 from backend.executor.base import Executor
 from backend.executor.step_delta import StepEncoder
-from backend.model_runner import ModelRunnerOutput
-from backend.scheduler import SchedulerOutput
-from backend.worker import cpu_share
+from backend.messages.runner_output import ModelRunnerOutput
+from backend.messages.scheduler_output import SchedulerOutput
+from backend.models.resolve import config_for_workers
+from backend.types.config import EngineConfig
+from backend.types.errors import WorkerDiedError
+from backend.worker.worker import cpu_share
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class MultiprocExecutor(Executor):
             self._workers.start(env)
         self._pids = [proc.pid for proc in self._workers.procs]
         threading.Thread(target=self._read_replies, name="tandem-mp-reader", daemon=True).start()
-        worker_config = self.config.for_workers()
+        worker_config = config_for_workers(self.config)
         for rank, conn in enumerate(self._workers.conns):
             setup = (worker_config, rank, rank, init_method, cpu_share(self.world_size))
             self._send(conn, rank, pickle.dumps(setup))

@@ -36,7 +36,7 @@ def exit_when_orphaned(parent_pid: int) -> None:
 def serve(conn: Connection) -> int:
     from backend.distributed import get_parallel_state
     from backend.executor.step_delta import StepDecoder
-    from backend.worker import Worker
+    from backend.worker.worker import Worker
 
     config, rank, local_rank, init_method, num_threads = conn.recv()
     logging.basicConfig(level=logging.INFO,

@@ -20,14 +20,15 @@ import socket
 import threading
 from typing import Any, Optional
 
-from backend.config import EngineConfig
 from backend.distributed import get_parallel_state, output_rank
-from backend.errors import InvalidRequestError
 from backend.executor.base import Executor
 from backend.executor.ray_connection import RayConnection, connect_ray
 from backend.executor.step_delta import StepDecoder, StepEncoder
-from backend.model_runner import ModelRunnerOutput
-from backend.scheduler import SchedulerOutput
+from backend.messages.runner_output import ModelRunnerOutput
+from backend.messages.scheduler_output import SchedulerOutput
+from backend.models.resolve import config_for_workers
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class RayWorker:
               env: dict[str, str]) -> None:
         import ray
 
-        from backend.worker import Worker
+        from backend.worker.worker import Worker
 
         os.environ.update(env)
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
@@ -150,7 +151,7 @@ class RayExecutor(Executor):
         master_ip = infos[order[0]][1]
         port = ray.get(self.actors[0].free_port.remote())
         init_method = f"tcp://{master_ip}:{port}" if self.world_size > 1 else None
-        setups, worker_config = [], self.config.for_workers()
+        setups, worker_config = [], config_for_workers(self.config)
         for rank, actor in enumerate(self.actors):
             same_node = [r for r in range(self.world_size) if self.node_ids[r] == self.node_ids[rank]]
             env = {}

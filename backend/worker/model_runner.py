@@ -7,40 +7,28 @@ reads ``SchedulerOutput`` and returns ``ModelRunnerOutput``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 import kernels
-from backend import cuda_graphs
-from backend.config import EngineConfig
 from backend.distributed import get_parallel_state, pp_recv, pp_send
-from backend.huge_pages import advise_huge_pages, collapse_large_mappings
+from backend.messages.runner_output import ModelRunnerOutput
+from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
 from backend.models.attention import Attention, AttentionMetadata
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
 from backend.models.registry import get_model_class
-from backend.request import PositionLogprobs, SamplingParams
-from backend.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from backend.scheduler import ScheduledRequest, SchedulerOutput
-from backend.spec_decode import accept_drafts
+from backend.types.config import EngineConfig
+from backend.types.sampling_params import SamplingParams
+from backend.worker import cuda_graphs
+from backend.worker.draft_acceptance import accept_drafts
+from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
+from backend.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelRunnerOutput:
-    # request ID -> the tokens its sequence gains this step: one, or with speculative drafts the
-    # accepted drafts then the model's own next token (and their logprobs, when asked for)
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    # request ID -> (first prompt position covered, logprobs of prompt tokens from there)
-    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
-    # request ID -> why its sampling or logprobs failed this step (it has no entry above); the
-    # engine ends that request alone
-    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,7 +125,7 @@ class ModelRunner:
             self.kv_caches.append(kv)
 
     def _zeroed_cache(self, shape) -> torch.Tensor:
-        """One layer's K or V cache, zeroed; on the CPU on 2 MB pages (see backend.huge_pages)."""
+        """One layer's K or V cache, zeroed; on the CPU on 2 MB pages (see backend.worker.huge_pages)."""
         cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         if self.device.type == "cpu":
             advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())

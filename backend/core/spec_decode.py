@@ -13,7 +13,7 @@ It pays where outputs repeat their input: summaries, edits, code, extraction.
 
 from __future__ import annotations
 
-from backend.config import SpeculativeConfig
+from backend.types.config import SpeculativeConfig
 
 
 class NgramProposer:
@@ -41,10 +41,3 @@ class NgramProposer:
         return []
 
 
-def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
-    """sampled[i]: the model's token at draft position i (len(drafts) + 1 of them). Returns the
-    tokens the sequence gains: the drafts the model agreed with, then its own next token."""
-    accepted = 0
-    while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-        accepted += 1
-    return sampled[:accepted + 1]

@@ -19,10 +19,9 @@ from typing import Callable, Optional
 import grpc
 from grpc_health.v1 import health
 
-from backend.errors import InvalidRequestError
+from backend.types.errors import InvalidRequestError
+from backend.types.wire import AUTH_METADATA_KEY, TOKEN_ENV
 
-AUTH_METADATA_KEY = "authorization"  # value: "Bearer <token>"
-TOKEN_ENV = "TANDEM_GRPC_TOKEN"  # read when --auth-token is not given (keeps the token out of `ps`)
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)  # health stays open, so load balancers can probe
 
 

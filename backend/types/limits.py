@@ -22,7 +22,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from backend.errors import InvalidRequestError
+from backend.types.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Limits:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
-        from backend.config import add_dataclass_cli_args
+        from backend.types.config import add_dataclass_cli_args
 
         group = parser.add_argument_group("limits (checked before any work is queued)")
         add_dataclass_cli_args(group, cls, list(names), _HELP)

@@ -1,5 +1,9 @@
 """EngineConfig: every engine setting, validated once, shared by offline and online modes.
 
+Pure Python: the frontend reads it for the command line and ``LLM(...)``. What depends on the
+checkpoint and the device (its path, HF config, dtype, max_model_len) is filled in by
+``backend.models.resolve.resolve_config``.
+
 The same names mean the same thing as vLLM's engine arguments, for ``LLM(...)``
 and for the ``tandem`` command line alike.
 """
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from backend.errors import InvalidRequestError
+from backend.types.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")
@@ -194,18 +198,19 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}
     speculative_config: Optional[dict] = None
-    # Structured outputs (backend/grammar_compiler.py). vLLM has no bound; 20 s is ~15x the slowest
+    # Structured outputs (backend/core/structured_output/compiler.py). vLLM has no bound; 20 s is ~15x the slowest
     # ordinary schema measured (1.2 s at a 49k vocabulary), room for a 256k vocabulary and a busy
     # CPU, while a grammar bomb holds a worker no longer than that.
     grammar_compile_timeout_s: float = 20.0
     grammar_compile_workers: int = 2
 
-    # Filled in by resolve().
+    # Filled in by backend.models.resolve.resolve_config (which needs the checkpoint and torch).
     model_path: Optional[Path] = field(default=None, repr=False)
     tokenizer_path: Optional[Path] = field(default=None, repr=False)
     hf_config: Any = field(default=None, repr=False)
     torch_dtype_name: Optional[str] = field(default=None, repr=False)
     device_type: Optional[str] = field(default=None, repr=False)
+    cuda_device_count: int = field(default=0, repr=False)  # CUDA devices visible to this process
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> None:
@@ -255,7 +260,7 @@ class EngineConfig:
 
     @property
     def kv_cache_dtype_name(self) -> Optional[str]:
-        """The torch dtype name of the KV cache (after ``resolve()``)."""
+        """The torch dtype name of the KV cache (once resolved)."""
         return self.torch_dtype_name if self.kv_cache_dtype == "auto" else "float8_e4m3fn"
 
     @property
@@ -273,103 +278,14 @@ class EngineConfig:
         ray = sys.modules.get("ray")  # never imported just to ask
         if ray is not None and ray.is_initialized():
             return "ray"
-        if self.device_type == "cuda":
-            import torch
-
-            if torch.cuda.device_count() < self.world_size:
-                return "ray"
+        if self.device_type == "cuda" and self.cuda_device_count < self.world_size:
+            return "ray"
         return "mp"
 
     @property
     def cache_dir(self) -> Path:
         base = self.download_dir or os.environ.get("TANDEM_CACHE") or "~/.cache/tandem"
         return Path(base).expanduser()
-
-    def resolve(self) -> "EngineConfig":
-        """Find the checkpoint and fill in what depends on it. Idempotent."""
-        if self.model_path is not None:
-            return self
-        from backend.models.loader import load_hf_config, resolve_model, resolve_tokenizer
-
-        self.model_path = resolve_model(self.model, cache_dir=self.cache_dir, revision=self.revision)
-        self.tokenizer_path = resolve_tokenizer(self.tokenizer, self.model_path, self.cache_dir)
-        if self.served_model_name is None:
-            self.served_model_name = self.model or "SmolLM2-135M-Instruct"
-        self.hf_config = load_hf_config(self.model_path)
-        self._resolve_device_and_dtype()
-        self._resolve_max_model_len()
-        self._check_parallel_sizes()
-        if self.enable_chunked_prefill is False and self.max_num_batched_tokens < self.max_model_len:
-            raise InvalidRequestError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_model_len ({self.max_model_len}) when chunked prefill is off.",
-                param="max_num_batched_tokens")
-        return self
-
-    def _resolve_device_and_dtype(self) -> None:
-        import torch
-
-        if self.device == "auto":
-            self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        else:
-            self.device_type = self.device
-        if self.device_type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError("device='cuda' was asked for but no CUDA device is visible.",
-                                      param="device")
-        if self.dtype != "auto":
-            self.torch_dtype_name = self.dtype
-        elif self.quantization is None and (self.device_type == "cuda" or cpu_has_native_bf16()):
-            self.torch_dtype_name = "bfloat16"
-        else:
-            self.torch_dtype_name = "float32"
-        if self.quantization is not None and (self.device_type != "cpu" or self.torch_dtype_name != "float32"):
-            raise InvalidRequestError(
-                f"quantization={self.quantization!r} is implemented for the CPU with float32 "
-                f"activations; got device {self.device_type}, dtype {self.torch_dtype_name}.",
-                param="quantization")
-        if self.kv_cache_dtype != "auto" and self.device_type != "cpu":
-            raise InvalidRequestError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is implemented for the CPU; the GPU's "
-                "attention kernels read caches in the model's dtype only.", param="kv_cache_dtype")
-
-    def _check_parallel_sizes(self) -> None:
-        """Refuse TP/PP sizes the model cannot be split by, before any worker starts."""
-        from backend.models.registry import parallel_size_problem
-
-        problem = parallel_size_problem(self.hf_config, self.tensor_parallel_size,
-                                        self.pipeline_parallel_size)
-        if problem is not None:
-            raise InvalidRequestError(problem[1], param=problem[0])
-        if self.executor_backend == "uni" and self.world_size > 1:
-            raise InvalidRequestError(
-                f"The 'uni' executor runs one worker, but tensor_parallel_size x "
-                f"pipeline_parallel_size is {self.world_size}; use 'mp' (one machine) or 'ray'.",
-                param="distributed_executor_backend")
-
-    def _resolve_max_model_len(self) -> None:
-        cfg = self.hf_config
-        limit = None
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-            value = getattr(cfg, key, None)
-            if isinstance(value, int) and value > 0:
-                limit = value
-                break
-        if self.max_model_len is None:
-            if limit is None:
-                raise InvalidRequestError(
-                    "The model's config gives no maximum length; pass max_model_len.",
-                    param="max_model_len")
-            self.max_model_len = limit
-        elif limit is not None and self.max_model_len > limit:
-            raise InvalidRequestError(
-                f"max_model_len ({self.max_model_len}) is larger than the model's maximum "
-                f"length ({limit}).", param="max_model_len")
-
-    def for_workers(self) -> "EngineConfig":
-        """This resolved config, light to send to worker processes (see PlainModelConfig)."""
-        from backend.models.loader import PlainModelConfig
-
-        return dataclasses.replace(self, hf_config=PlainModelConfig(self.hf_config, self.model_path))
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -11,51 +11,11 @@ running request is preempted: its blocks are freed and it is recomputed later.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional
 
-from backend.block_manager import BlockManager
-from backend.request import FinishReason, Request, RequestStatus, SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step, as the model runner needs it (read-only there)."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens to compute this step; the last num_draft_tokens are drafts
-    start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: list[int]  # the request's whole block table
-    needs_sample: bool  # this step reaches the last known token: sample the next one
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_id: Optional[int]
-    num_draft_tokens: int = 0  # speculative tokens to verify after the request's last token
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
-    # Requests that ended since the last step: the runner drops their state (RNGs).
-    finished_request_ids: set[str] = field(default_factory=set)
-    num_preempted: int = 0
-    # Allowed tokens of the constrained sequences that sample this step
-    # (backend.structured_output.GrammarBitmask), filled in by the engine; None: none.
-    grammar: Any = None
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from backend.core.block_manager import BlockManager
+from backend.core.request import Request, RequestStatus
+from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
+from backend.types.outputs import FinishReason
 
 
 class Scheduler:

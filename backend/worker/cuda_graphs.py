@@ -38,7 +38,7 @@ import torch
 
 import kernels
 from backend.models.attention import AttentionMetadata
-from backend.traced_graph import TracedGraph
+from backend.worker.traced_graph import TracedGraph
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 import kernels
-from backend.request import Logprob, PositionLogprobs, SamplingParams
+from backend.types.outputs import Logprob, PositionLogprobs
+from backend.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from backend.structured_output import TokenBitmask
+    from backend.messages.grammar_mask import TokenBitmask
 
 _NEG_INF = float("-inf")
 # Top-p first ranks only this many most likely tokens; wider nuclei fall back to a full sort.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import socket
 
-from backend.errors import TandemError
+from backend.types.errors import TandemError
 
 
 class PortInUseError(TandemError):

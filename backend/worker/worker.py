@@ -9,10 +9,11 @@ from typing import Optional
 
 import torch
 
-from backend.config import EngineConfig
 from backend.distributed import destroy_distributed, init_distributed
-from backend.model_runner import ModelRunner, ModelRunnerOutput
-from backend.scheduler import SchedulerOutput
+from backend.messages.runner_output import ModelRunnerOutput
+from backend.messages.scheduler_output import SchedulerOutput
+from backend.types.config import EngineConfig
+from backend.worker.model_runner import ModelRunner
 
 
 class Worker:

@@ -23,7 +23,7 @@ from array import array
 from collections import OrderedDict
 from typing import Optional, Sequence
 
-from backend.request import Request
+from backend.core.request import Request
 
 BLOCK_KEY_BYTES = 32  # 256-bit digests: 128-bit collision resistance
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from backend.errors import ModelNotFoundError
+from backend.types.errors import ModelNotFoundError
 
 # Files that define how text maps to token IDs and how chats are rendered.
 TOKENIZER_FILES = (

@@ -1,19 +1,16 @@
-"""Requests, sampling parameters and the per-step outputs the engine emits.
+"""Sampling parameters and structured-output constraints: how a request wants its tokens picked.
 
-Pure Python (no torch): the frontend imports these types too, so they are the
-data contract between the two halves, in process or over gRPC.
+Pure Python (no torch): both processes use these, in process or over gRPC.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from backend.errors import InvalidRequestError
+from backend.types.errors import InvalidRequestError
 
 # The longest schema, regex or grammar (in characters) a request may carry: compiling
 # one costs time and memory on the backend, so it is bounded before anything is queued.
@@ -26,7 +23,7 @@ class StructuredOutputsParams:
     """Constrain the generated text to a language (vLLM's ``structured_outputs``).
 
     Exactly one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``
-    is set. The backend enforces it token by token (``backend.structured_output``).
+    is set. The backend enforces it token by token (``backend.core.structured_output``).
 
     - ``json``: a JSON Schema (a dict, or its JSON text); the output is JSON valid
       for it. Properties not in the schema are never generated (vLLM with
@@ -219,149 +216,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
-
-
-class FinishReason(str, enum.Enum):
-    """Why a sequence ended; the string values are OpenAI's."""
-
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or max_model_len
-    ABORT = "abort"  # cancelled by the client or the server
-
-
-class RequestStatus(enum.Enum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    FINISHED = enum.auto()
-
-
-@dataclass
-class Logprob:
-    """Log-probability of one token under the model's raw distribution."""
-
-    logprob: float
-    rank: Optional[int] = None  # 1 = most likely
-    decoded_token: Optional[str] = None  # filled in by the frontend
-
-
-# One position: token ID -> Logprob; the chosen token first, then the top-k.
-PositionLogprobs = dict[int, Logprob]
-
-
-@dataclass
-class EngineOutput:
-    """What one sequence produced in one engine step (a delta, not a total).
-
-    A request with ``n > 1`` runs as ``n`` sequences; ``index`` tells them apart.
-    """
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: Optional[list[PositionLogprobs]] = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: Optional[int] = None  # the stop token ID that ended it, if any
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    # Sent once, with the sequence's first delta; position 0 is None.
-    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
-    # Set (with finish_reason ABORT) when the request failed inside the engine: what went wrong.
-    # Every unfinished sequence of that request gets one; ``AsyncLLMEngine`` raises it as a
-    # ``RequestFailedError``.
-    error: Optional[str] = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class Request:
-    """One sequence inside the engine: its tokens and how far the KV cache covers them.
-
-    The scheduler moves ``num_computed_tokens`` towards ``num_tokens``; nothing
-    else marks a request as prefilling or decoding.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        eos_token_id: Optional[int],
-        parent_id: Optional[str] = None,
-        index: int = 0,
-        arrival_time: Optional[float] = None,
-        cache_salt: Optional[str] = None,
-    ) -> None:
-        self.request_id = request_id
-        self.parent_id = parent_id if parent_id is not None else request_id
-        self.index = index
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.cache_salt = cache_salt  # keys its prefix-cache blocks apart from other salts
-        self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
-        self.num_preemptions = 0
-        self.block_hashes: list[bytes] = []  # chained digests of full blocks, see BlockManager
-        self.finish_reason: Optional[FinishReason] = None
-        self.stop_reason: Optional[int] = None
-        self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
-        self.first_token_time: Optional[float] = None
-        # Speculative tokens proposed for the next step (not part of the sequence until accepted).
-        self.draft_token_ids: list[int] = []
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.sampling_params.prompt_logprobs is not None
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
-    def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
-
-
-@dataclass
-class ModelInfo:
-    """What a client needs to know about the served model."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: Optional[int] = None
-    pad_token_id: Optional[int] = None
-    tokenizer_path: Optional[str] = None  # a local directory holding the tokenizer files
-
-
-@dataclass
-class EngineLoad:
-    """A snapshot of the engine's load, for routing and metrics."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache_usage: float  # 0.0 .. 1.0

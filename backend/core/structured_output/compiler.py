@@ -51,9 +51,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
 
-from backend import grammar_worker as W
-from backend.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError
-from backend.request import StructuredOutputsParams
+from backend.core.structured_output import compile_worker as W
+from backend.types.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError
+from backend.types.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ MAX_REMEMBERED_FAILURES = 1024
 # Seconds a worker may take to start (it imports xgrammar, hence torch).
 WORKER_START_TIMEOUT_S = 60.0
 _PARAM = "structured_outputs"
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[1])  # holds backend/ (for the worker's PYTHONPATH)
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[3])  # holds backend/ (for the worker's PYTHONPATH)
 
 
 class _Timeout(Exception):
@@ -84,7 +84,7 @@ class _WorkerProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "backend.grammar_worker", str(child_sock.fileno()), str(os.getpid()),
+                [sys.executable, "-m", "backend.core.structured_output.compile_worker", str(child_sock.fileno()), str(os.getpid()),
                  tokenizer_info_path],
                 pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL)
         except BaseException:

@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from backend.request import EngineOutput, FinishReason, Logprob, PositionLogprobs, Request, SamplingParams
+from backend.core.request import Request
+from backend.types.outputs import EngineOutput, FinishReason, Logprob, PositionLogprobs
+from backend.types.sampling_params import SamplingParams
 
 
 @dataclass

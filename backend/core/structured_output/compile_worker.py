@@ -1,8 +1,8 @@
-"""A grammar compiler's worker process: ``python -m backend.grammar_worker FD PARENT_PID TOKENIZER_INFO``.
+"""A grammar compiler's worker process: ``python -m backend.core.structured_output.compile_worker FD PARENT_PID TOKENIZER_INFO``.
 
 For each structured-output spec it is sent it makes the grammar's EBNF (``grammar_ebnf``) and
 compiles that with xgrammar, so the engine process learns, within its time bound, whether and
-how a spec compiles before it compiles the same EBNF itself (``backend.grammar_compiler``
+how a spec compiles before it compiles the same EBNF itself (``backend.core.structured_output.compiler``
 says why it works this way). The engine kills this process when a compile overruns that bound:
 xgrammar cannot be interrupted any other way.
 

@@ -1,0 +1,86 @@
+"""The engine's own state of one sequence (private to the engine: never crosses a process boundary)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from backend.types.outputs import FinishReason, PositionLogprobs
+from backend.types.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """One sequence inside the engine: its tokens and how far the KV cache covers them.
+
+    The scheduler moves ``num_computed_tokens`` towards ``num_tokens``; nothing
+    else marks a request as prefilling or decoding.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: Optional[int],
+        parent_id: Optional[str] = None,
+        index: int = 0,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.cache_salt = cache_salt  # keys its prefix-cache blocks apart from other salts
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []  # chained digests of full blocks, see BlockManager
+        self.finish_reason: Optional[FinishReason] = None
+        self.stop_reason: Optional[int] = None
+        self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
+        self.first_token_time: Optional[float] = None
+        # Speculative tokens proposed for the next step (not part of the sequence until accepted).
+        self.draft_token_ids: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,97 @@
+"""Resolving an ``EngineConfig`` against its checkpoint and device: what the pure-Python config
+cannot know by itself (the model's path and HF config, the device, the dtype, max_model_len), and
+the light copy of it that worker processes receive."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from backend.models.loader import PlainModelConfig, load_hf_config, resolve_model, resolve_tokenizer
+from backend.models.registry import parallel_size_problem
+from backend.types.config import EngineConfig, cpu_has_native_bf16
+from backend.types.errors import InvalidRequestError
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """Find the checkpoint and fill in what depends on it, in place; returns ``config``. Idempotent.
+    Raises ``InvalidRequestError`` (naming the setting) for a setting the model or device refuses."""
+    if config.model_path is not None:
+        return config
+    config.model_path = resolve_model(config.model, cache_dir=config.cache_dir, revision=config.revision)
+    config.tokenizer_path = resolve_tokenizer(config.tokenizer, config.model_path, config.cache_dir)
+    if config.served_model_name is None:
+        config.served_model_name = config.model or "SmolLM2-135M-Instruct"
+    config.hf_config = load_hf_config(config.model_path)
+    _resolve_device_and_dtype(config)
+    _resolve_max_model_len(config)
+    _check_parallel_sizes(config)
+    if config.enable_chunked_prefill is False and config.max_num_batched_tokens < config.max_model_len:
+        raise InvalidRequestError(
+            f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
+            f"max_model_len ({config.max_model_len}) when chunked prefill is off.",
+            param="max_num_batched_tokens")
+    return config
+
+
+def config_for_workers(config: EngineConfig) -> EngineConfig:
+    """A resolved config, light to send to worker processes (see PlainModelConfig)."""
+    return dataclasses.replace(config, hf_config=PlainModelConfig(config.hf_config, config.model_path))
+
+
+def _resolve_device_and_dtype(config: EngineConfig) -> None:
+    cuda = torch.cuda.is_available()
+    config.cuda_device_count = torch.cuda.device_count() if cuda else 0
+    if config.device == "auto":
+        config.device_type = "cuda" if cuda else "cpu"
+    else:
+        config.device_type = config.device
+    if config.device_type == "cuda" and not cuda:
+        raise InvalidRequestError("device='cuda' was asked for but no CUDA device is visible.", param="device")
+    if config.dtype != "auto":
+        config.torch_dtype_name = config.dtype
+    elif config.quantization is None and (config.device_type == "cuda" or cpu_has_native_bf16()):
+        config.torch_dtype_name = "bfloat16"
+    else:
+        config.torch_dtype_name = "float32"
+    if config.quantization is not None and (config.device_type != "cpu" or config.torch_dtype_name != "float32"):
+        raise InvalidRequestError(
+            f"quantization={config.quantization!r} is implemented for the CPU with float32 "
+            f"activations; got device {config.device_type}, dtype {config.torch_dtype_name}.",
+            param="quantization")
+    if config.kv_cache_dtype != "auto" and config.device_type != "cpu":
+        raise InvalidRequestError(
+            f"kv_cache_dtype={config.kv_cache_dtype!r} is implemented for the CPU; the GPU's "
+            "attention kernels read caches in the model's dtype only.", param="kv_cache_dtype")
+
+
+def _check_parallel_sizes(config: EngineConfig) -> None:
+    """Refuse TP/PP sizes the model cannot be split by, before any worker starts."""
+    problem = parallel_size_problem(config.hf_config, config.tensor_parallel_size, config.pipeline_parallel_size)
+    if problem is not None:
+        raise InvalidRequestError(problem[1], param=problem[0])
+    if config.executor_backend == "uni" and config.world_size > 1:
+        raise InvalidRequestError(
+            f"The 'uni' executor runs one worker, but tensor_parallel_size x "
+            f"pipeline_parallel_size is {config.world_size}; use 'mp' (one machine) or 'ray'.",
+            param="distributed_executor_backend")
+
+
+def _resolve_max_model_len(config: EngineConfig) -> None:
+    hf_config = config.hf_config
+    limit = None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            limit = value
+            break
+    if config.max_model_len is None:
+        if limit is None:
+            raise InvalidRequestError("The model's config gives no maximum length; pass max_model_len.",
+                                      param="max_model_len")
+        config.max_model_len = limit
+    elif limit is not None and config.max_model_len > limit:
+        raise InvalidRequestError(
+            f"max_model_len ({config.max_model_len}) is larger than the model's maximum "
+            f"length ({limit}).", param="max_model_len")
