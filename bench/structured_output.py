@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from backend.core import structured_output
-from backend.engine.llm_engine import LLMEngine
-from backend.types.config import EngineConfig
-from backend.types.sampling_params import SamplingParams
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (bench/kernels.py)
+
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.messages import grammar_mask  # noqa: E402
+from backend.types.config import EngineConfig  # noqa: E402
+from backend.types.sampling_params import SamplingParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -98,7 +102,7 @@ def main() -> None:
     fill, apply = Timer(), Timer()
     manager = engine.structured_output
     manager.grammar_bitmask = fill.wrap(manager.grammar_bitmask)
-    structured_output.TokenBitmask.apply_ = apply.wrap(structured_output.TokenBitmask.apply_)
+    grammar_mask.TokenBitmask.apply_ = apply.wrap(grammar_mask.TokenBitmask.apply_)
 
     decode_steps(engine, prompt, free, args.batch, 3, [])  # warm-up
     free_steps = decode_steps(engine, prompt, free, args.batch, args.steps, [])

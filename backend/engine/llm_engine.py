@@ -18,7 +18,7 @@ from backend.core.block_manager import BlockManager
 from backend.core.request import Request
 from backend.core.scheduler import Scheduler
 from backend.core.spec_decode import NgramProposer
-from backend.core.structured_output import GrammarViolation, StructuredOutputManager
+from backend.core.structured_output.manager import GrammarViolation, StructuredOutputManager
 from backend.executor import create_executor
 from backend.models.resolve import resolve_config
 from backend.types.config import EngineConfig
