@@ -1,0 +1,149 @@
+"""/v1/chat/completions: the request, the message and tool-call pieces, the response and stream chunks."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, model_serializer
+
+from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now
+
+
+class ChatCompletionRequest(SamplingFields):
+    # Passed to the chat template as they are (frontend.tokenizer.render_chat checks them).
+    messages: list[dict[str, Any]]
+    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None: auto with tools
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: the reply starts with the last message's content, when its role is the reply's
+    # vLLM's chat-template extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # UNSUPPORTED_FIELDS
+    reasoning_effort: Optional[str] = None
+    include_reasoning: Optional[bool] = None
+    documents: Optional[list[dict[str, Any]]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[Any] = None
+    audio: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+
+
+class FunctionCall(ResponseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None  # JSON text; streamed in pieces
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ResponseModel):
+    """OpenAI's streamed tool call: ``index`` says which; id, type and name come in its first piece."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[FunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatMessage(ResponseModel):
+    role: str
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None
+    audio: Optional[Any] = None
+    function_call: Optional[Any] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: Optional[str] = None
+
+
+class DeltaMessage(ResponseModel):
+    """A streamed piece of the assistant's message; absent fields are left out (``{}`` at the end)."""
+
+    role: Optional[str] = None
+    content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionTopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogprobContent(ResponseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[ChatCompletionTopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(ResponseModel):
+    content: Optional[list[ChatCompletionLogprobContent]] = None
+
+
+class ChatCompletionResponseChoice(ResponseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = None  # with return_token_ids
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=created_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    service_tier: Optional[str] = None
+    system_fingerprint: Optional[str] = None
+    usage: UsageInfo
+    prompt_logprobs: Logprobs = None
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+class ChatCompletionStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = None  # with return_token_ids
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=created_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids, in the first chunk

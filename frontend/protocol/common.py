@@ -1,0 +1,189 @@
+"""What every endpoint's bodies share: the request and response bases, the sampling fields of the
+generation endpoints, usage, prompt logprobs and the error body (``frontend.protocol`` says the rules)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from frontend.unicode_check import check_valid_unicode
+
+
+def created_now() -> int:
+    """A response's ``created``: the Unix time in seconds."""
+    return int(time.time())
+
+
+class RequestModel(BaseModel):
+    """A request body (or a part of one): unknown fields are refused, and so is text that is not
+    valid Unicode, in every field of every request model (``frontend.unicode_check``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        # A ValueError here becomes a 400 whose param is this field (a nested model's: its parent field).
+        field = cls.model_fields.get(info.field_name)
+        check_valid_unicode(value, (field.alias if field is not None else None) or info.field_name)
+        return value
+
+
+INT64 = Field(default=None, ge=-2**63, le=2**63 - 1)
+
+# vLLM request fields Tandem does not implement: a 400 names them when they are set
+# (to anything but null). The value says why, in the error message.
+UNSUPPORTED_FIELDS = {
+    "logit_bias": "logit_bias is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "bad_words": "bad_words is not supported",
+    "logits_processors": "logits processors are not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "prompt_embeds": "prompt_embeds are not supported",
+    "priority": "priority scheduling is not supported",
+    "reasoning_effort": "reasoning is not supported by this server",
+    "include_reasoning": "reasoning is not supported by this server",
+    "documents": "documents (RAG templates) are not supported",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "kv_transfer_params": "KV transfer is not supported",
+    "vllm_xargs": "vllm_xargs are not supported",
+    "functions": "functions is deprecated; use tools",
+    "function_call": "function_call is deprecated; use tool_choice",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+# Accepted and without effect (OpenAI's end-user ID, for the client's own bookkeeping).
+IGNORED_FIELDS = ("user",)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- shared pieces -----------------------------------------------------------------------------
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced (strict or not)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's ``structured_outputs`` (exactly one of json, json_object, regex, choice, grammar)."""
+
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Unsupported(RequestModel):
+    """The fields of ``UNSUPPORTED_FIELDS`` (declared for the schema, refused when set)."""
+
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    logits_processors: Optional[list[Any]] = None
+    priority: Optional[int] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+
+
+class SamplingFields(Unsupported):
+    """Sampling fields both generation endpoints take; None means the engine default."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    seed: Optional[int] = INT64
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # IGNORED_FIELDS
+    # Structured outputs: OpenAI's response_format or vLLM's structured_outputs, not both.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    # Beam search (vLLM's): n beams; best_of: sample best_of and return the n most likely.
+    use_beam_search: bool = False
+    best_of: Optional[int] = None
+    length_penalty: float = 1.0
+    prompt_logprobs: Optional[int] = None
+    logprob_token_ids: Optional[list[int]] = None
+    return_token_ids: bool = False  # token IDs of the prompt and of each choice
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    truncate_prompt_tokens: Optional[int] = None  # keep the last k prompt tokens (-1: max_model_len)
+    request_id: Optional[str] = None  # the response's ID (and the engine's), instead of a random one
+    add_special_tokens: Optional[bool] = None  # None: True for completions, False for chat
+    # vLLM's extras.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Prefix-cache isolation: only requests with the same salt share cached prompt blocks.
+    cache_salt: Optional[str] = None
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class PromptLogprob(ResponseModel):
+    """vLLM's prompt_logprobs entry: a position's token ID -> this."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: per prompt position (the first is None) token ID -> its logprob.
+Logprobs = Optional[list[Optional[dict[int, PromptLogprob]]]]
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[int] = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo

@@ -1,0 +1,60 @@
+"""/v1/completions: the request and its response and stream chunk bodies."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, StrictInt, StrictStr
+
+from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, token IDs, or a list of token-ID lists.
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: Optional[int] = 16  # OpenAI's and vLLM's default; 0 only with echo (prompt scoring)
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None  # UNSUPPORTED_FIELDS
+    prompt_embeds: Optional[Any] = None  # UNSUPPORTED_FIELDS
+
+
+class CompletionLogProbs(ResponseModel):
+    """OpenAI's legacy logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None  # vLLM's: the stop token ID or string that ended it
+    token_ids: Optional[list[int]] = None  # with return_token_ids
+    prompt_logprobs: Logprobs = None
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=created_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    service_tier: Optional[str] = None
+    system_fingerprint: Optional[str] = None
+    usage: UsageInfo
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+class CompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=created_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: Optional[UsageInfo] = None
