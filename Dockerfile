@@ -32,7 +32,7 @@ COPY kernels /src/kernels
 COPY protos /src/protos
 RUN /opt/tandem/bin/pip install ${PIP_ARGS} --find-links /wheels --no-deps --force-reinstall /src \
     && if [ -z "${EXTRAS}" ]; then /opt/tandem/bin/python -c \
-        "import frontend.api_server, importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"; fi
+        "import frontend.server, frontend.entrypoints.cli, importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"; fi
 
 # Only the venv goes on: the wheelhouse and the sources stay in the build stage.
 FROM ${BASE}

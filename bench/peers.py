@@ -156,7 +156,7 @@ def compare_once(args, levels: list[int], skip: set[str], tokenizer, gguf: Path 
 
     if "tandem" not in skip:
         port = free_port()
-        argv = [sys.executable, "-m", "frontend.cli", "serve", "--port", str(port), "--grpc-port",
+        argv = [sys.executable, "-m", "frontend.entrypoints.cli", "serve", "--port", str(port), "--grpc-port",
                 str(free_port()), "--metrics-port", str(free_port()), *args.tandem_args]
         results["tandem"] = run_server(argv, f"http://127.0.0.1:{port}", levels, args, tokenizer,
                                        work / "tandem.log")

@@ -1,5 +1,5 @@
 """How long a big prompt's tokenization stalls the frontend's event loop: inline, on a worker
-thread (what ``frontend.serving`` does), or in a worker process.
+thread (what ``frontend.serving.prompts`` does), or in a worker process.
 
     python bench/tokenize_off_loop.py [TOKENIZER_DIR] [--chars 800000]
 

@@ -12,7 +12,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str):
     if name == "LLM":
-        from frontend.llm import LLM
+        from frontend.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'frontend' has no attribute {name!r}")

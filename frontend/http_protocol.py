@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from frontend.serving import error_body
+from frontend.serving.errors import error_body
 
 
 def _timeout_response(message: str) -> bytes:

@@ -1,6 +1,6 @@
 """The HTTP edge's ASGI middleware: metrics, request IDs, the API key, the body's bounds, admission.
 
-A request passes them in this order (``frontend.api_server.create_app`` stacks them)::
+A request passes them in this order (``frontend.app.create_app`` stacks them)::
 
     MetricsMiddleware         counts every answer by route and status
     RequestIdMiddleware       echoes X-Request-Id, or makes one
@@ -31,8 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.types.errors import OverloadedError, TandemError
-from frontend.serving import (HTTP_STATUS_CLIENT_CLOSED_REQUEST, AuthenticationError, RequestTooLargeError, error_body,
-                              error_json_response, error_of_exception)
+from frontend.serving.errors import (HTTP_STATUS_CLIENT_CLOSED_REQUEST, AuthenticationError, RequestTooLargeError,
+                                     error_body, error_json_response, error_of_exception)
 
 REQUEST_ID_HEADER = b"x-request-id"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

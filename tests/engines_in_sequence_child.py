@@ -48,7 +48,7 @@ def is_running(pid: int) -> bool:
 
 def main(spec: dict) -> list[dict]:
     from backend.types.sampling_params import SamplingParams
-    from frontend.llm import LLM
+    from frontend.entrypoints.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
     reports, started = [], set()

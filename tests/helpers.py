@@ -87,7 +87,7 @@ def backend_and_frontend(loop: LoopThread, engine, limits=None) -> Iterator[tupl
     """``engine`` behind the backend's gRPC server and a frontend app over it (GrpcEngineClient), both
     on ``loop``: yields (server, gRPC address, HTTP base URL); stops both, not the engine."""
     from backend.server.grpc_server import BackendServer
-    from frontend.api_server import create_app
+    from frontend.app import create_app
     from frontend.grpc_client import GrpcEngineClient
     from frontend.tokenizer import load_tokenizer
 

@@ -29,7 +29,7 @@ from backend.engine.async_llm_engine import AsyncLLMEngine
 from backend.types.config import EngineConfig
 from backend.types.limits import Limits
 from backend.types.outputs import EngineOutput, FinishReason, ModelInfo
-from frontend.api_server import create_app
+from frontend.app import create_app
 from frontend.grpc_client import GrpcEngineClient
 from frontend.tokenizer import load_tokenizer
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP frontend (frontend/api_server.py, frontend/serving.py) against a fake engine.
+"""The OpenAI-compatible HTTP frontend (frontend/app.py, frontend/serving/, frontend/server.py) against a fake engine.
 
 The fake streams a fixed script of token IDs (deterministic, like greedy
 decoding) and records what it was asked and which streams were closed early
@@ -29,9 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo
 from backend.types.sampling_params import SamplingParams
-from frontend import api_server
-from frontend.api_server import create_app, fetch_backend_tokenizer
+from frontend import server as frontend_server
+from frontend.app import create_app
 from frontend.grpc_client import BackendOverloadedError, BackendUnavailableError
+from frontend.server import fetch_backend_tokenizer
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -193,12 +194,12 @@ def test_importing_and_building_the_app_does_not_import_torch(tokenizer_dir):
     code = f"""
 import sys
 sys.path.insert(0, {str(REPO_ROOT / 'tests')!r})
-import frontend.api_server, frontend.cli
+import frontend.app, frontend.server, frontend.entrypoints.cli
 from backend.types.outputs import ModelInfo
 from frontend.tokenizer import load_tokenizer
 from test_api_server import FakeEngine
 tokenizer = load_tokenizer({str(tokenizer_dir)!r})
-frontend.api_server.create_app(FakeEngine(tokenizer), tokenizer, ModelInfo("m", 64, 384))
+frontend.app.create_app(FakeEngine(tokenizer), tokenizer, ModelInfo("m", 64, 384))
 assert "torch" not in sys.modules, "torch was imported"
 print("ok")
 """
@@ -741,7 +742,7 @@ def test_frontend_refuses_a_tokenizer_that_is_not_the_backends(tokenizer_dir, tm
         (tokenizer_dir / "tokenizer_config.json").read_text().replace("im_start", "im_begin"))
     monkeypatch.setattr(frontend.grpc_client, "GrpcEngineClient",
                         lambda address, limits, security: StartupFakeBackend(address, tokenizer_dir))
-    code = api_server.main(["--backend", "127.0.0.1:1", "--tokenizer", str(other), "--port", str(free_port())])
+    code = frontend_server.main(["--backend", "127.0.0.1:1", "--tokenizer", str(other), "--port", str(free_port())])
     assert code == 1
     assert "is not the backend's" in capsys.readouterr().err
 

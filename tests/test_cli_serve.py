@@ -96,7 +96,7 @@ def start_serve(model_dir: Path, work_dir: Path, *flags: str,
     """``tandem serve`` with ``flags``; ``grpc_token`` as $TANDEM_GRPC_TOKEN (None: unset)."""
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     log = work_dir / f"serve-{port}.log"
-    command = [sys.executable, "-m", "frontend.cli", "serve", str(model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "frontend.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
                "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *ENGINE_FLAGS, *flags]
     env = {name: value for name, value in os.environ.items() if name not in ("TANDEM_GRPC_TOKEN", "TANDEM_API_KEY")}
     if grpc_token is not None:
@@ -249,7 +249,7 @@ def test_a_second_frontend_serves_from_the_same_backend(served, tmp_path):
     log = tmp_path / "frontend2.log"
     with open(log, "wb") as out:
         frontend = subprocess.Popen(
-            [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{served.grpc_port}",
+            [sys.executable, "-m", "frontend.server", "--backend", f"127.0.0.1:{served.grpc_port}",
              "--port", str(port)], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "TANDEM_CACHE": str(tmp_path / "cache"), "TANDEM_GRPC_TOKEN": GRPC_TOKEN})
     try:

@@ -72,7 +72,7 @@ def server(model_dir, tmp_path_factory):
     work_dir = tmp_path_factory.mktemp("clients")
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     log = work_dir / "serve.log"
-    command = [sys.executable, "-m", "frontend.cli", "serve", str(model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "frontend.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
                "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *ENGINE_FLAGS]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -128,7 +128,7 @@ def test_backend_death_exit_and_restart_behind_the_same_frontend(tiny_checkpoint
     frontend_log = tmp_path / "frontend.log"
     backend_log = tmp_path / "backend-0.log"
     backend = start_backend(model_dir, grpc_port, backend_log, env, poisoned=True)
-    frontend = start([sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{grpc_port}",
+    frontend = start([sys.executable, "-m", "frontend.server", "--backend", f"127.0.0.1:{grpc_port}",
                       "--port", str(http_port)], frontend_log, env)
     try:
         assert wait_for(lambda: health_status(base_url) == 200, 60), frontend_log.read_text(errors="replace")

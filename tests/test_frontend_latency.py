@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import uvicorn
 from backend.types.outputs import ModelInfo
-from frontend.api_server import create_app
+from frontend.app import create_app
 from frontend.tokenizer import load_tokenizer
 from test_api_server import FakeEngine
 tokenizer = load_tokenizer({tokenizer!r})

@@ -22,7 +22,7 @@ from test_api_server import FakeEngine
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import ModelInfo
 from frontend import protocol as P
-from frontend.api_server import create_app
+from frontend.app import create_app
 from frontend.tokenizer import load_tokenizer
 from frontend.unicode_check import check_valid_unicode, find_invalid_unicode
 

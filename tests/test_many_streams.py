@@ -37,7 +37,7 @@ def test_5000_concurrent_streams_through_one_frontend(tiny_checkpoint, tmp_path)
              "--max-num-seqs", "256", "--max-num-queued-requests", str(STREAMS)],
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         frontend = subprocess.Popen(
-            [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{grpc_port}", "--port",
+            [sys.executable, "-m", "frontend.server", "--backend", f"127.0.0.1:{grpc_port}", "--port",
              str(http_port), "--log-level", "warning", "--max-concurrent-requests", str(STREAMS)],
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

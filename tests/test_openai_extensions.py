@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from test_api_server import CHAT, MODEL, assert_openai_error, engine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.outputs import ModelInfo
-from frontend.api_server import create_app
+from frontend.app import create_app
 from frontend.protocol import UNSUPPORTED_FIELDS
 
 WEATHER = {"type": "function", "function": {

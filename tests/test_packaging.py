@@ -64,8 +64,8 @@ def test_the_base_install_pulls_in_no_torch_and_the_backend_extra_does():
 
 
 def test_engine_commands_refuse_clearly_without_torch():
-    result = subprocess.run(blocked_torch_command("frontend.cli", "serve"), cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(blocked_torch_command("frontend.entrypoints.cli", "serve"), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "tandem[backend]" in result.stderr and "frontend-only install" in result.stderr
 
@@ -81,7 +81,7 @@ def test_a_frontend_that_cannot_import_torch_serves(tiny_checkpoint, tmp_path):
              "--max-model-len", "128"], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     with open(frontend_log, "wb") as out:
         frontend = subprocess.Popen(
-            blocked_torch_command("frontend.api_server", "--backend", f"127.0.0.1:{grpc_port}",
+            blocked_torch_command("frontend.server", "--backend", f"127.0.0.1:{grpc_port}",
                                   "--port", str(http_port)),
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

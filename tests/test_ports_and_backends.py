@@ -94,7 +94,7 @@ def test_serve_checks_every_port_it_opens_before_starting(flag, tmp_path):
     ports = {"--port": free_port(), "--grpc-port": free_port(), "--metrics-port": free_port()}
     with held_port() as holder:
         ports[flag] = holder.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", str(tmp_path / "no-model"),
+        result = subprocess.run([sys.executable, "-m", "frontend.entrypoints.cli", "serve", str(tmp_path / "no-model"),
                                  *[str(x) for pair in ports.items() for x in pair]], cwd=REPO_ROOT,
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 1

@@ -32,7 +32,7 @@ from backend.server.main import main as backend_main
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import SamplingParams
-from frontend.api_server import StartupError, wait_for_backend
+from frontend.server import StartupError, wait_for_backend
 from frontend.grpc_client import (BackendCredentialsError, BackendError, ChannelSecurity, GrpcEngineClient,
                                   error_from_status)
 from frontend.router import Router, parse_targets
@@ -293,7 +293,7 @@ def test_credential_failures_become_one_typed_error_naming_the_flag():
 
 
 async def start_frontend_router(address: str, security: ChannelSecurity, timeout: float) -> Router:
-    """What the frontend does at startup (``frontend.api_server.run``): a router, then the wait."""
+    """What the frontend does at startup (``frontend.server.run``): a router, then the wait."""
     router = Router(parse_targets(address), client_factory=lambda a: GrpcEngineClient(a, security=security))
     try:
         await router.start()
@@ -341,7 +341,7 @@ def test_a_frontend_with_a_wrong_backend_token_says_so_within_10_s_and_exits(loo
     def frontend(address: str, port: int) -> tuple[int, str, float]:
         env = {name: value for name, value in os.environ.items() if name != "TANDEM_API_KEY"}
         started = time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "frontend.api_server", "--backend", address, "--port",
+        result = subprocess.run([sys.executable, "-m", "frontend.server", "--backend", address, "--port",
                                  str(port), "--backend-timeout", "600"], cwd=REPO_ROOT, capture_output=True,
                                 text=True, timeout=90, env={**env, "TANDEM_GRPC_TOKEN": "wrong-token"})
         return result.returncode, result.stdout + result.stderr, time.monotonic() - started

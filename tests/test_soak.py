@@ -85,7 +85,7 @@ def test_64_stream_soak(tiny_checkpoint, tmp_path):
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     with open(frontend_log, "wb") as out:
         frontend = subprocess.Popen(
-            [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{grpc_port}",
+            [sys.executable, "-m", "frontend.server", "--backend", f"127.0.0.1:{grpc_port}",
              "--port", str(http_port), "--log-level", "warning"],
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

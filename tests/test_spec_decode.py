@@ -127,7 +127,7 @@ def test_serve_hands_speculative_config_to_its_backend_as_json():
     """`tandem serve --speculative-config JSON` re-emits the dict as JSON the backend parses back."""
     import argparse
 
-    from frontend.cli import build_parser, engine_argv
+    from frontend.entrypoints.cli import build_parser, engine_argv
 
     args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(SPEC)])
     backend = argparse.ArgumentParser()

@@ -1,4 +1,4 @@
-"""Request chat templates (frontend/template_sandbox.py, frontend/template_worker.py, frontend/serving.py).
+"""Request chat templates (frontend/template_sandbox.py, frontend/template_worker.py, frontend/serving/prompts.py).
 
 Refused unless the operator allows them (vLLM's --trust-request-chat-template); when allowed, they
 render in worker processes whose time, memory and output bounds hold: a template over a bound gets
@@ -23,9 +23,10 @@ from test_api_server import FakeEngine
 from backend.types.errors import InvalidRequestError, OverloadedError
 from backend.types.limits import FRONTEND_LIMITS, Limits
 from backend.types.outputs import ModelInfo
-from frontend import api_server, cli
-from frontend.api_server import create_app
-from frontend.serving import OpenAIServing
+from frontend import server
+from frontend.app import create_app
+from frontend.entrypoints import cli
+from frontend.serving.base import ServingContext
 from frontend.template_sandbox import TemplateSandbox
 from frontend.template_worker import ChatRenderJob, render_job
 from frontend.tokenizer import load_tokenizer, prepare_chat
@@ -218,7 +219,7 @@ def test_close_leaves_no_worker_behind():
 
 ORPHAN = """
 import asyncio, os, sys, time
-from frontend.serving import OpenAIServing
+from frontend.serving.base import OpenAIServing
 from frontend.template_sandbox import TemplateSandbox
 from frontend.template_worker import ChatRenderJob
 pool = TemplateSandbox(num_workers=1, timeout_s=3, max_output_bytes=4096, max_memory_bytes=256 * 2**20)
@@ -248,10 +249,9 @@ def test_a_worker_whose_frontend_died_mid_render_stops_at_its_cpu_cap():
 # ---- over HTTP ---------------------------------------------------------------------------------------
 
 
-def serving_of(app) -> OpenAIServing:
-    """The app's serving object (its routes' closures hold it)."""
-    endpoint = next(route.endpoint for route in app.routes if getattr(route, "path", None) == "/load")
-    return next(cell.cell_contents for cell in endpoint.__closure__ if isinstance(cell.cell_contents, OpenAIServing))
+def serving_of(app) -> ServingContext:
+    """The app's serving context, which its endpoints share (``create_app`` keeps it in ``app.state``)."""
+    return app.state.serving
 
 
 def client_for(tokenizer, limits: Limits) -> tuple[TestClient, FakeEngine]:
@@ -301,7 +301,7 @@ def test_an_allowed_request_template_is_the_one_rendered(tokenizer):
 
 
 def test_the_switch_and_bounds_are_flags_of_frontend_and_serve():
-    args = api_server.build_parser().parse_args(
+    args = server.build_parser().parse_args(
         ["--backend", "127.0.0.1:1", "--trust-request-chat-template", "--chat-template-timeout-s", "7",
          "--chat-template-workers", "3", "--max-chat-template-output-bytes", "1000",
          "--max-chat-template-memory-bytes", "100000000"])
@@ -309,7 +309,7 @@ def test_the_switch_and_bounds_are_flags_of_frontend_and_serve():
     assert (limits.trust_request_chat_template, limits.chat_template_timeout_s, limits.chat_template_workers,
             limits.max_chat_template_output_bytes, limits.max_chat_template_memory_bytes) == (
         True, 7, 3, 1000, 100_000_000)
-    assert Limits.from_cli_args(api_server.build_parser().parse_args(["--backend", "x"])) \
+    assert Limits.from_cli_args(server.build_parser().parse_args(["--backend", "x"])) \
         .trust_request_chat_template is False
     serve_args = cli.build_parser().parse_args(["serve", "--trust-request-chat-template"])
     assert "--trust-request-chat-template" in cli.changed_flags(serve_args, Limits(), FRONTEND_LIMITS)

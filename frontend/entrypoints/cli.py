@@ -3,7 +3,7 @@
     tandem serve [MODEL] [--host H] [--port 8000] [--grpc-port 50051] [--metrics-port 8001]
                  [--api-key KEY] [engine flags]
     tandem backend [MODEL] ...        the gRPC backend alone (python -m backend.server)
-    tandem frontend --backend H:P ... the HTTP frontend alone (python -m frontend.api_server)
+    tandem frontend --backend H:P ... the HTTP frontend alone (python -m frontend.server)
     tandem generate [MODEL] --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
     tandem healthcheck grpc HOST:PORT | http URL   exit 0 when healthy (container health checks)
 
@@ -13,7 +13,8 @@ a token (``--auth-token``, else a random one), so no other local user reaches
 the backend's port. Engine flags are ``EngineConfig``'s, the same names as
 ``LLM(...)``'s keyword arguments.
 
-This module does not import torch; only ``generate`` (and ``backend``) pull it in.
+This module does not import torch; only ``generate`` (and ``backend``) pull it in, inside the
+functions that run them, so ``tandem frontend`` and ``tandem serve`` work on a frontend-only install.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ from backend.types.limits import BACKEND_LIMITS, FRONTEND_LIMITS, Limits
 from backend.types.ports import PortInUseError, check_port_free
 from backend.types.sampling_params import SamplingParams
 from backend.types.wire import TOKEN_ENV
+from frontend.environment import API_KEY_ENV, INSTANCE_ENV, INSTANCE_HEADER
 from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 POLL_INTERVAL_S = 0.2
-INSTANCE_ENV = "TANDEM_INSTANCE_ID"  # the frontend echoes it on /health, in INSTANCE_HEADER
-INSTANCE_HEADER = "X-Tandem-Instance"
 HEALTHCHECK_TIMEOUT_S = 5.0
 KILL_GRACE_S = 10.0  # after --shutdown-timeout, before SIGKILL
 
@@ -148,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
                     "--port", str(args.grpc_port), "--metrics-port", str(args.metrics_port),
                     "--shutdown-timeout", str(args.shutdown_timeout),
                     *changed_flags(args, Limits(), BACKEND_LIMITS)]
-    frontend_argv = [sys.executable, "-m", "frontend.api_server", "--backend", f"127.0.0.1:{args.grpc_port}",
+    frontend_argv = [sys.executable, "-m", "frontend.server", "--backend", f"127.0.0.1:{args.grpc_port}",
                      "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
                      "--backend-timeout", "0",  # we watch the backend process ourselves
                      "--tool-call-parser", args.tool_call_parser,
@@ -158,7 +158,7 @@ def serve(args: argparse.Namespace) -> int:
     instance_id = secrets.token_hex(8)
     frontend_env = {**os.environ, INSTANCE_ENV: instance_id}
     if args.api_key:
-        frontend_env["TANDEM_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+        frontend_env[API_KEY_ENV] = args.api_key  # not on the command line, where `ps` shows it
     # One trust domain: the backend's port takes only calls carrying this token, so another local
     # user cannot reach the engine past the API key and the limits. Both ends read it from the
     # environment (not the command line, where `ps` shows it).
@@ -226,7 +226,7 @@ def healthcheck(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from frontend.llm import LLM  # torch comes in here
+    from frontend.entrypoints.llm import LLM  # torch comes in here
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -262,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="loopback port between the frontend and the backend")
     serve_parser.add_argument("--metrics-port", type=int, default=8001,
                               help="the backend's Prometheus port (engine metrics; HTTP metrics are at /metrics)")
-    serve_parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                              help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)")
+    serve_parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                              help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds running requests get to finish on SIGINT/SIGTERM")
     serve_parser.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV),
@@ -317,7 +317,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return backend_main(argv[1:])
     if argv[:1] == ["frontend"]:
-        from frontend.api_server import main as frontend_main
+        from frontend.server import main as frontend_main
 
         return frontend_main(argv[1:])
     args = build_parser().parse_args(argv)

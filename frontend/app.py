@@ -1,0 +1,146 @@
+"""The HTTP app: the routes, each delegating to its endpoint in ``frontend.serving``.
+
+Routes: /v1/completions, /v1/chat/completions, /invocations, /v1/models,
+/tokenize, /detokenize, /tokenizer_info (behind ``--api-key`` when set), and
+/health, /load, /metrics, /version, /docs, /openapi.json (always open:
+``OPEN_ROUTES``). ``create_app`` also installs the one mapping of errors to
+OpenAI error JSON (``frontend.serving.errors``) and the edge's middleware
+(``frontend.middleware``: metrics, request IDs, the API key before any body is
+read, the body's size and time bounds, then admission) with the bound on the
+wait for a request's head (``frontend.http_protocol``). Every bound is a
+setting of ``backend.types.limits``. The process around it (connecting to the
+backends, uvicorn, signals) is ``frontend.server``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from fastapi import FastAPI, Request
+from prometheus_client.registry import Collector
+from starlette.responses import Response
+from transformers import PreTrainedTokenizerFast
+
+from backend.types.limits import Limits
+from backend.types.outputs import ModelInfo
+from frontend import protocol as P
+from frontend.engine_client import EngineClient
+from frontend.http_protocol import head_deadline_protocol
+from frontend.middleware import (AdmissionMiddleware, AuthenticationMiddleware, BodyReaderMiddleware, HttpMetrics,
+                                 MetricsMiddleware, RequestIdMiddleware)
+from frontend.serving.base import ServingContext
+from frontend.serving.chat import OpenAIServingChat
+from frontend.serving.completions import OpenAIServingCompletion
+from frontend.serving.errors import install_error_handlers
+from frontend.serving.invocations import OpenAIServingInvocations
+from frontend.serving.models import OpenAIServingModels
+from frontend.serving.status import ServingStatus, tandem_version
+from frontend.serving.tokenize import OpenAIServingTokenization
+
+# The routes that queue work on the engine: admission control counts these.
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+# The routes open without the API key (probes, metrics, the schema); none takes a body. Every
+# other path, unknown ones included, needs the key when one is set.
+OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
+                         "/openapi.json"})
+
+
+def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
+               api_key: Optional[str] = None, collectors: Sequence[Collector] = (),
+               limits: Optional[Limits] = None, tool_call_parser: str = "auto") -> FastAPI:
+    """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
+
+    ``collectors`` (e.g. the router's) are served on ``/metrics`` with the HTTP metrics;
+    ``tool_call_parser`` is the format of tool calls in the model's replies. The endpoints'
+    shared ``ServingContext`` is ``app.state.serving`` (its ``close()`` stops the chat template
+    workers, if request templates are allowed).
+    """
+    context = ServingContext(engine_client, tokenizer, model_info, limits, tool_call_parser)
+    limits = context.limits
+    metrics = HttpMetrics()
+    for collector in collectors:
+        metrics.registry.register(collector)
+    # Named apart from the routes: a route's function name is its operationId in /openapi.json.
+    serving_completion = OpenAIServingCompletion(context)
+    serving_chat = OpenAIServingChat(context)
+    serving_invocations = OpenAIServingInvocations(serving_chat, serving_completion)
+    serving_tokenization = OpenAIServingTokenization(context)
+    serving_models = OpenAIServingModels(context)
+    serving_status = ServingStatus(context, metrics.registry)
+    # /openapi.json and /docs describe exactly the request models the routes parse.
+    app = FastAPI(title="Tandem", version=tandem_version(), docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.state.serving = context
+
+    @app.post("/v1/completions")
+    async def completions(request: P.CompletionRequest, raw_request: Request) -> Response:
+        return await serving_completion.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
+        return await serving_chat.create_chat_completion(request, raw_request)
+
+    @app.post("/invocations", response_model=None)
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
+        return await serving_invocations.create_invocation(raw_request)
+
+    @app.get("/v1/models")
+    async def models() -> P.ModelList:
+        return serving_models.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> P.ModelCard:
+        return serving_models.model_card(model_id)
+
+    # Serialized by pydantic in one call: FastAPI's own encoding of a long token list takes
+    # seconds on the event loop.
+    @app.post("/tokenize", response_model=P.TokenizeResponse)
+    async def tokenize(request: P.TokenizeRequest) -> Response:
+        return Response((await serving_tokenization.tokenize(request)).model_dump_json(), media_type="application/json")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> P.TokenizerInfoResponse:
+        return serving_tokenization.tokenizer_info()
+
+    @app.get("/load")
+    async def load() -> P.LoadResponse:
+        return serving_status.load()
+
+    @app.post("/detokenize")
+    async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        return await serving_tokenization.detokenize(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await serving_status.health()
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        """The frontend's HTTP and router metrics, then the engines' (``Router.metrics_text``:
+        each backend's GetMetrics, labelled by backend). A client without it serves only ours."""
+        return await serving_status.metrics()
+
+    @app.get("/version")
+    async def version() -> P.VersionResponse:
+        return serving_status.version()
+
+    install_error_handlers(app, limits.retry_after_s)
+    # Added innermost first: a request meets them in the opposite order (frontend.middleware).
+    app.add_middleware(AdmissionMiddleware, paths=GENERATION_ROUTES, limit=limits.max_concurrent_requests,
+                       retry_after_s=limits.retry_after_s, metrics=metrics)
+    app.add_middleware(BodyReaderMiddleware, max_bytes=limits.max_request_body_bytes,
+                       timeout_s=limits.http_body_timeout_s, max_concurrent=limits.max_concurrent_body_reads,
+                       retry_after_s=limits.retry_after_s, skip_paths=OPEN_ROUTES, metrics=metrics)
+    app.add_middleware(AuthenticationMiddleware, api_key=api_key, open_paths=OPEN_ROUTES,
+                       max_unauthenticated=limits.max_unauthenticated_requests, retry_after_s=limits.retry_after_s,
+                       metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
+    # Added last, so outermost: it sees every response, 401s and 404s included.
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(route.path for route in app.routes))
+    # The bound on the wait for a request's head lives below ASGI: serve the app with
+    # ``uvicorn.Config(app, http=app.state.http_protocol)``.
+    app.state.http_protocol = head_deadline_protocol(
+        limits.http_header_timeout_s, limits.max_pending_connections,
+        on_close=lambda limit: metrics.rejected.labels(limit).inc())
+    return app

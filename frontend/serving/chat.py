@@ -1,0 +1,163 @@
+"""/v1/chat/completions: messages in, the assistant's reply out (text and tool calls), JSON or SSE.
+
+The chat template renders the messages (``frontend.serving.prompts``); tools
+reach the template, or are described in the messages when it has no tool
+support (``frontend.tool_calls``). ``tool_choice`` "required" or a named
+function constrains the reply to the calls' JSON schema; each sequence's text
+is then split into content and tool calls as it streams.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from backend.types.errors import InvalidRequestError
+from backend.types.sampling_params import StructuredOutputsParams
+from frontend import protocol as P
+from frontend.serving.base import EngineRun, Event, OpenAIServing, prepend, unless_disconnected
+from frontend.serving.logprobs import chat_logprobs, prompt_logprobs_json
+from frontend.serving.prompts import Prompt
+from frontend.serving.sampling import max_tokens_for, sampling_params
+from frontend.serving.sse import sse_event
+from frontend.tool_calls import (ToolReply, check_tools, constrained_tool_schema, messages_for_template,
+                                 template_supports_tools)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat endpoint; tool calls in the format of the context's ``tool_call_parser``."""
+
+    async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request) -> Response:
+        self._check_request(request)
+        self.renderer.check_chat_template(request.chat_template)
+        if request.top_logprobs is not None and request.top_logprobs < 0:
+            raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}.",
+                                      param="top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise InvalidRequestError("When using `top_logprobs`, `logprobs` must be set to true.",
+                                      param="top_logprobs")
+        if request.logprob_token_ids is not None and not request.logprobs:
+            raise InvalidRequestError("When using `logprob_token_ids`, `logprobs` must be set to true.",
+                                      param="logprob_token_ids")
+        named = check_tools(request.tools, request.tool_choice)
+        tool_mode = named and "named" or request.tool_choice or ("auto" if request.tools else "none")
+        constraint = None
+        if tool_mode in ("required", "named"):
+            if request.response_format is not None or request.structured_outputs is not None:
+                raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with "
+                                          "response_format or structured_outputs.", param="tool_choice")
+            schema = constrained_tool_schema(request.tools, named, request.parallel_tool_calls)
+            constraint = StructuredOutputsParams(json=schema)
+        supports_tools = template_supports_tools(request.chat_template or self.tokenizer.chat_template)
+        messages = messages_for_template(request.messages, request.tools, supports_tools)
+        text, token_ids = await self.renderer.render_and_encode_chat(
+            messages, request.add_generation_prompt, request.chat_template, request.continue_final_message,
+            {**(request.chat_template_kwargs or {}), "tools": request.tools if supports_tools else None},
+            add_special_tokens=bool(request.add_special_tokens))
+        prompt = self.renderer.truncate(Prompt(text, token_ids), request.truncate_prompt_tokens)
+        # vLLM: max_completion_tokens wins; neither given means all the room left.
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens = max_tokens_for(requested, len(prompt.token_ids), default=None, prompt_param="messages",
+                                    max_model_len=self.model_info.max_model_len)
+        logprobs = (request.top_logprobs or 0) if request.logprobs and request.logprob_token_ids is None else None
+        params = sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, constraint, self.limits)
+        base_id = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
+        run = EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0, deadline=self._deadline(),
+                        cache_salt=request.cache_salt)
+        run.replies = [ToolReply(tool_mode, self.context.tool_call_parser, named) for _ in range(params.n)]
+        role = "assistant" if request.add_generation_prompt else str(request.messages[-1].get("role", "assistant"))
+        run.role = role
+        last = request.messages[-1] if request.messages else {}
+        run.echo_text = str(last.get("content") or "") if request.echo and last.get("role") == role else ""
+        runs = [run]
+        if request.stream:
+            return await self._stream(raw_request, runs, lambda first, events: self._chat_chunks(
+                request, base_id, runs, first, events))
+        await unless_disconnected(raw_request, self._collect(runs))
+        return self._json(self._chat_response(request, base_id, runs))
+
+    def _chat_response(self, request: P.ChatCompletionRequest, base_id: str,
+                       runs: list[EngineRun]) -> P.ChatCompletionResponse:
+        (run,) = runs
+        choices = []
+        as_ids = request.return_tokens_as_token_ids
+        for rank, seq in enumerate(self._chosen(request, run, run.builder.build().outputs)):
+            logprobs = None
+            if request.logprobs:
+                num_top = request.top_logprobs or 0
+                if request.logprob_token_ids is not None:
+                    num_top = len(request.logprob_token_ids) + 1
+                logprobs = chat_logprobs(self.tokenizer, seq.token_ids, seq.logprobs, num_top, as_ids)
+            content, calls = run.replies[seq.index].whole(seq.text)
+            finish_reason = seq.finish_reason
+            if calls and finish_reason == "stop":
+                finish_reason = run.replies[seq.index].finish_reason_with_calls
+            if content is not None and run.echo_text:
+                content = run.echo_text + content
+            message = P.ChatMessage(role=run.role, content=content, tool_calls=[
+                P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+            choices.append(P.ChatCompletionResponseChoice(
+                index=rank, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                stop_reason=seq.stop_reason, token_ids=seq.token_ids if request.return_token_ids else None))
+        return P.ChatCompletionResponse(
+            id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs),
+            prompt_logprobs=prompt_logprobs_json(run.builder.prompt_logprobs)
+            if request.prompt_logprobs is not None else None,
+            prompt_token_ids=run.prompt.token_ids if request.return_token_ids else None)
+
+    async def _chat_chunks(self, request: P.ChatCompletionRequest, base_id: str, runs: list[EngineRun],
+                           first: Optional[Event], events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        (run,) = runs
+        created = int(time.time())
+        as_ids = request.return_tokens_as_token_ids
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+
+        def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None,
+                  prompt_token_ids: Optional[list[int]] = None) -> str:
+            if usage is None and continuous and choices:
+                usage = self._usage(runs)
+            return sse_event(P.ChatCompletionStreamResponse(id=base_id, created=created, model=self.model_name,
+                                                            choices=choices, usage=usage,
+                                                            prompt_token_ids=prompt_token_ids))
+
+        def tool_deltas(pieces) -> Optional[list[P.DeltaToolCall]]:
+            if not pieces:
+                return None
+            return [P.DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
+                                    function=P.FunctionCall(name=name, arguments=arguments))
+                    for i, call_id, name, arguments in pieces]
+
+        # OpenAI's first chunk of each choice carries the role (and vLLM's echo).
+        for index in range(request.n):
+            yield chunk([P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(
+                role=run.role, content=run.echo_text))],
+                prompt_token_ids=run.prompt.token_ids if request.return_token_ids and index == 0 else None)
+        async for _run, index, delta in prepend(first, events):
+            if index >= request.n:  # beam search: only the best n beams are returned
+                continue
+            reply = run.replies[index]
+            content, pieces = reply.push(delta.text)
+            finish_reason = delta.finish_reason
+            if delta.finished:
+                more_content, more_pieces = reply.finish()
+                content, pieces = content + more_content, pieces + more_pieces
+                if reply.num_calls and finish_reason == "stop":
+                    finish_reason = reply.finish_reason_with_calls
+            if not content and not pieces and not delta.finished and not (request.logprobs and delta.token_ids):
+                continue
+            logprobs = None
+            if request.logprobs:
+                num_top = request.top_logprobs or 0
+                if request.logprob_token_ids is not None:
+                    num_top = len(request.logprob_token_ids) + 1
+                logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, num_top, as_ids)
+            yield chunk([P.ChatCompletionStreamChoice(
+                index=index, delta=P.DeltaMessage(content=content or None, tool_calls=tool_deltas(pieces)),
+                logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason,
+                token_ids=delta.token_ids if request.return_token_ids else None)])
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], self._usage(runs))
