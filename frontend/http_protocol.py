@@ -8,9 +8,11 @@ connection for ever. ``head_deadline_protocol`` gives uvicorn a protocol class t
 - closes a connection whose head has not arrived whole ``timeout_s`` after it opened or after
   its last response ended (a 408 first when part of a head had arrived; an idle one just closes);
 - keeps at most ``max_waiting`` connections waiting for a head (new, or idle between requests):
-  beyond, the one waiting longest is closed. Before its head no connection is authenticated, so
-  this is the unauthenticated connections' own bound; a legitimate client's head arrives within
-  milliseconds, so it is never the longest waiting, and a new connection is never refused.
+  beyond, the one waiting longest is closed, if it has waited ``EVICT_AFTER_S`` or more. Before
+  its head no connection is authenticated, so this is the unauthenticated connections' own
+  bound; a legitimate client's head arrives within milliseconds, so it is never closed, not even
+  in a burst of thousands of new connections (which exceed the bound for a moment), and a new
+  connection is never refused.
 
 Everything after the head (the key, the body, admission) is ``frontend.middleware``'s.
 """
@@ -25,6 +27,10 @@ from typing import Callable, Optional
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from frontend.serving.errors import error_body
+
+# A connection waiting for its head this long is slow, not merely one of a burst: over the bound,
+# the longest waiting is closed only once it has waited this long.
+EVICT_AFTER_S = 1.0
 
 
 def _timeout_response(message: str) -> bytes:
@@ -41,7 +47,7 @@ def head_deadline_protocol(timeout_s: float, max_waiting: int,
     (``http_header_timeout_s`` or ``max_pending_connections``). One class per server: the
     connections waiting are counted across it.
     """
-    waiting: OrderedDict[asyncio.Protocol, None] = OrderedDict()  # oldest first
+    waiting: OrderedDict[asyncio.Protocol, float] = OrderedDict()  # -> when it began waiting; oldest first
     messages = {  # why a connection that had begun a request was closed
         "http_header_timeout_s": _timeout_response(
             f"The request's head (line and headers) did not arrive within {timeout_s:g} s (the server's "
@@ -86,10 +92,13 @@ def head_deadline_protocol(timeout_s: float, max_waiting: int,
             self._stop_awaiting()
             self._head_started = False
             self._head_timer = self.loop.call_later(timeout_s, self._close_waiting, "http_header_timeout_s")
-            waiting[self] = None
+            waiting[self] = self.loop.time()
             if len(waiting) > max_waiting:
-                oldest = next(iter(waiting))
-                oldest._close_waiting("max_pending_connections")
+                oldest, since = next(iter(waiting.items()))
+                # Only a connection that has been slow is closed: in a burst of new ones, each is
+                # read within a loop iteration or two, and none may be dropped for arriving together.
+                if self.loop.time() - since >= EVICT_AFTER_S:
+                    oldest._close_waiting("max_pending_connections")
 
         def _stop_awaiting(self) -> None:
             if self._head_timer is not None:

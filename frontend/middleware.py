@@ -181,9 +181,11 @@ class BodyReaderMiddleware:
 
     At most ``max_bytes`` (else 413, unparsed), arriving whole within ``timeout_s`` of the request's
     head (else 408: a client trickling its body holds nothing for long), and at most
-    ``max_concurrent`` bodies being read at once (else 429). ``skip_paths`` (the open routes,
-    which take no body) are passed on unread. The refusals close the connection: its unread body
-    cannot be told apart from a next request.
+    ``max_concurrent`` bodies being read at once: a request beyond waits for a slot, within the
+    same ``timeout_s`` (else 429), so a burst of quick requests queues for a moment rather than
+    being refused, while slow bodies can hold only ``max_concurrent`` slots. ``skip_paths`` (the
+    open routes, which take no body) are passed on unread. The refusals close the connection: its
+    unread body cannot be told apart from a next request.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, max_concurrent: int, retry_after_s: int,
@@ -191,6 +193,7 @@ class BodyReaderMiddleware:
         self.app, self.max_bytes, self.timeout_s, self.metrics = app, max_bytes, timeout_s, metrics
         self.max_concurrent, self.retry_after_s, self.skip_paths = max_concurrent, retry_after_s, skip_paths
         self.reading = 0  # bodies being read now
+        self._slots: Optional[asyncio.Semaphore] = None  # made on the server's loop, at its first request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.skip_paths:
@@ -200,16 +203,23 @@ class BodyReaderMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._too_large(scope, receive, send, int(declared))
             return
-        if self.reading >= self.max_concurrent:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrent)
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+        except asyncio.TimeoutError:
             self.metrics.rejected.labels("max_concurrent_body_reads").inc()
             await send_error(scope, receive, send, OverloadedError(
-                f"The server is reading {self.max_concurrent} request bodies, its limit "
-                "(--max-concurrent-body-reads); retry later."), self.retry_after_s, close=True)
+                f"The server was reading {self.max_concurrent} request bodies, its limit "
+                f"(--max-concurrent-body-reads), for {self.timeout_s:g} s; retry later."), self.retry_after_s,
+                close=True)
             return
         self.reading += 1
         try:
             # Cancelling a pending receive() loses nothing: the server keeps what arrived.
-            first = await asyncio.wait_for(self._read(receive), self.timeout_s)
+            remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
+            first = await asyncio.wait_for(self._read(receive), remaining)
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("http_body_timeout_s").inc()
             await _send_error_body(scope, receive, send, HTTPStatus.REQUEST_TIMEOUT, error_body(
@@ -221,6 +231,7 @@ class BodyReaderMiddleware:
             return
         finally:
             self.reading -= 1
+            self._slots.release()
         replayed = False
 
         async def replay() -> Message:  # the whole body once, then the client's messages (disconnect)

@@ -31,6 +31,7 @@ from backend.types.limits import Limits
 from backend.types.outputs import EngineOutput, FinishReason, ModelInfo
 from frontend.app import create_app
 from frontend.grpc_client import GrpcEngineClient
+from frontend.http_protocol import EVICT_AFTER_S
 from frontend.tokenizer import load_tokenizer
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -394,7 +395,7 @@ def test_slow_and_idle_heads_are_closed_after_the_header_timeout(tmp_path):
 def test_connections_waiting_for_a_head_are_capped_oldest_first(tmp_path):
     with edge_server(tmp_path, max_pending_connections=4, http_header_timeout_s=60) as (base_url, port, _, _):
         waiting = [raw_connection(port, b"GET /vers") for _ in range(4)]
-        time.sleep(0.5)  # the four are waiting, in order
+        time.sleep(EVICT_AFTER_S + 0.2)  # the four are waiting, in order, long enough to count as slow
         newer = [raw_connection(port, b"GET /vers") for _ in range(2)]
         try:
             # The two that waited longest make room; the newest still wait.
@@ -435,19 +436,27 @@ def test_unauthenticated_requests_have_their_own_cap(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_body_reads_are_capped_and_the_cap_is_named(tmp_path):
+def test_body_reads_beyond_the_cap_wait_for_a_slot(tmp_path):
+    """Two slow bodies hold the two slots; a third request waits (rather than a 429) and is served
+    once a slot frees; the rejection counter names no refusal."""
     with edge_server(tmp_path, api_key=None, max_concurrent_body_reads=2) as (base_url, port, _, _):
         slow = [raw_connection(port, slow_body_head()) for _ in range(2)]
         try:
             time.sleep(0.5)  # both bodies are being read
-            third = raw_connection(port, slow_body_head())
-            status, headers, body = read_response(third)
-            assert status == 429 and headers["connection"] == "close"
-            assert "--max-concurrent-body-reads" in json.loads(body)["error"]["message"]
+            body = b'{"prompt": "Hello", "max_tokens": 2}'
+            third = raw_connection(port, slow_body_head(length=len(body))[:-len('{"prompt": "Hel')] + body)
+            third.settimeout(0.5)
+            with pytest.raises(socket.timeout):  # waiting for a slot: no answer yet
+                third.recv(1)
+            third.settimeout(30)
+            slow[0].sendall(b'lo", "max_tokens": 2}'.ljust(1000 - len('{"prompt": "Hel'), b" "))
+            assert read_response(slow[0])[0] == 200
+            assert read_response(third)[0] == 200  # the freed slot was its
             third.close()
-            for sock in slow:  # their bodies complete: served
-                sock.sendall(b'lo", "max_tokens": 2}'.ljust(1000 - len('{"prompt": "Hel'), b" "))
-                assert read_response(sock)[0] == 200
+            slow[1].sendall(b'lo", "max_tokens": 2}'.ljust(1000 - len('{"prompt": "Hel'), b" "))
+            assert read_response(slow[1])[0] == 200
+            metrics = httpx.get(base_url + "/metrics", timeout=10).text
+            assert 'limit="max_concurrent_body_reads"' not in metrics
         finally:
             for sock in slow:
                 sock.close()

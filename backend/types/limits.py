@@ -49,7 +49,7 @@ class Limits:
     http_body_timeout_s: int = 60  # a request's body must arrive whole within this of its head (else 408)
     max_pending_connections: int = 1024  # connections awaiting a request's head; beyond, the oldest is closed
     max_unauthenticated_requests: int = 64  # requests answered without a verified API key (open routes, 401s)
-    max_concurrent_body_reads: int = 512  # requests whose body is still arriving (past the key check)
+    max_concurrent_body_reads: int = 512  # requests whose body is still arriving (past the key check); more wait
     # ---- transport ----
     max_grpc_message_bytes: int = 16 * 1024 * 1024  # each gRPC message, both directions, both ends
     # ---- a request's chat_template (frontend): refused unless trusted, then rendered in worker processes ----
@@ -149,11 +149,12 @@ _HELP = {
                              "from its opening or its last response; then 408 and closed",
     "http_body_timeout_s": "seconds a request's body may take to arrive whole, from its head; then 408",
     "max_pending_connections": "connections waiting for a request's head (new or idle); beyond, the one "
-                               "waiting longest is closed",
+                               "waiting longest is closed (once it has waited 1 s)",
     "max_unauthenticated_requests": "requests answered at once without a verified API key (/health, /metrics, "
                                     "..., 401s); more get 429",
     "max_concurrent_body_reads": "requests whose body is still arriving (after the API key check, before "
-                                 "admission); more get 429",
+                                 "admission); more wait for a slot, 429 if none frees within "
+                                 "--http-body-timeout-s",
     "max_grpc_message_bytes": "largest gRPC message either way",
     "trust_request_chat_template": "render a chat_template sent in a request (chat completions, /tokenize) in a "
                                    "bounded worker process; off: such a request gets a 400",
