@@ -384,11 +384,14 @@ class LLMEngine:
                 failed[request.request_id] = _failure_message(error)
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, logprobs: list) -> None:
-        """Append logprobs of prompt tokens first_pos.. (a recomputed chunk is already there)."""
+        """Record the logprobs of prompt tokens first_pos.. that are not there yet: after a
+        preemption the prompt is computed again from 0, in chunks that may end elsewhere than
+        before, so a chunk can cover positions already recorded, new ones, or both."""
         if not request.prompt_logprobs:
             request.prompt_logprobs.append(None)  # the first prompt token has none
-        if len(request.prompt_logprobs) == first_pos:
-            request.prompt_logprobs.extend(logprobs)
+        known = len(request.prompt_logprobs)
+        if first_pos <= known < first_pos + len(logprobs):
+            request.prompt_logprobs.extend(logprobs[known - first_pos:])
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:
         params = request.sampling_params
