@@ -7,12 +7,12 @@ connection for ever. ``head_deadline_protocol`` gives uvicorn a protocol class t
 
 - closes a connection whose head has not arrived whole ``timeout_s`` after it opened or after
   its last response ended (a 408 first when part of a head had arrived; an idle one just closes);
-- keeps at most ``max_waiting`` connections waiting for a head (new, or idle between requests):
-  beyond, the one waiting longest is closed, if it has waited ``EVICT_AFTER_S`` or more. Before
-  its head no connection is authenticated, so this is the unauthenticated connections' own
-  bound; a legitimate client's head arrives within milliseconds, so it is never closed, not even
-  in a burst of thousands of new connections (which exceed the bound for a moment), and a new
-  connection is never refused.
+- keeps at most ``max_waiting`` connections in the middle of sending a head (some bytes of it
+  arrived, not all): beyond, the one pending longest is closed, once it has been pending for
+  ``EVICT_AFTER_S``. Before its head no connection is authenticated, so this is the trickling
+  clients' own bound; an ordinary client's head arrives in one read, so it is never pending and
+  never closed, not even in a burst of thousands of connections on a busy loop, and a new
+  connection is never refused. A connection that sends nothing is closed by the head timeout.
 
 Everything after the head (the key, the body, admission) is ``frontend.middleware``'s.
 """
@@ -28,8 +28,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from frontend.serving.errors import error_body
 
-# A connection waiting for its head this long is slow, not merely one of a burst: over the bound,
-# the longest waiting is closed only once it has waited this long.
+# A connection part-way through its head this long is slow, not merely one of a burst: over the
+# bound, the longest pending is closed only once it has been pending this long.
 EVICT_AFTER_S = 1.0
 
 
@@ -70,10 +70,11 @@ def head_deadline_protocol(timeout_s: float, max_waiting: int,
             super().data_received(data)
             if not awaiting:
                 return
-            if self._awaiting_head():
-                self._head_started = True
-            else:  # the head arrived: the request is the middleware's now
+            if not self._awaiting_head():  # the head arrived: the request is the middleware's now
                 self._stop_awaiting()
+            elif not self._head_started:  # part of a head: from now on it counts as pending
+                self._head_started = True
+                self._count_pending()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -92,11 +93,16 @@ def head_deadline_protocol(timeout_s: float, max_waiting: int,
             self._stop_awaiting()
             self._head_started = False
             self._head_timer = self.loop.call_later(timeout_s, self._close_waiting, "http_header_timeout_s")
+
+        def _count_pending(self) -> None:
+            """This connection has sent part of a head: it waits among the pending ones; beyond
+            ``max_waiting`` the one pending longest is closed once it has been so for EVICT_AFTER_S.
+            A whole head in one read (every ordinary client, in any burst) is never pending, and a
+            connection that has sent nothing yet (or whose bytes a busy loop has not read yet)
+            is bounded by the head timeout alone."""
             waiting[self] = self.loop.time()
             if len(waiting) > max_waiting:
                 oldest, since = next(iter(waiting.items()))
-                # Only a connection that has been slow is closed: in a burst of new ones, each is
-                # read within a loop iteration or two, and none may be dropped for arriving together.
                 if self.loop.time() - since >= EVICT_AFTER_S:
                     oldest._close_waiting("max_pending_connections")
 

@@ -47,7 +47,7 @@ class Limits:
     # ---- the HTTP edge, before admission (frontend; see frontend/middleware.py) ----
     http_header_timeout_s: int = 10  # a request's head must arrive whole within this (else 408, closed)
     http_body_timeout_s: int = 60  # a request's body must arrive whole within this of its head (else 408)
-    max_pending_connections: int = 1024  # connections awaiting a request's head; beyond, the oldest is closed
+    max_pending_connections: int = 1024  # connections part-way through a request's head; beyond, the oldest is closed
     max_unauthenticated_requests: int = 64  # requests answered without a verified API key (open routes, 401s)
     max_concurrent_body_reads: int = 512  # requests whose body is still arriving (past the key check); more wait
     # ---- transport ----
@@ -148,8 +148,8 @@ _HELP = {
     "http_header_timeout_s": "seconds a connection may take to send a request's head (line and headers), "
                              "from its opening or its last response; then 408 and closed",
     "http_body_timeout_s": "seconds a request's body may take to arrive whole, from its head; then 408",
-    "max_pending_connections": "connections waiting for a request's head (new or idle); beyond, the one "
-                               "waiting longest is closed (once it has waited 1 s)",
+    "max_pending_connections": "connections part-way through sending a request's head; beyond, the one "
+                               "pending longest is closed (once it has been so for 1 s)",
     "max_unauthenticated_requests": "requests answered at once without a verified API key (/health, /metrics, "
                                     "..., 401s); more get 429",
     "max_concurrent_body_reads": "requests whose body is still arriving (after the API key check, before "
