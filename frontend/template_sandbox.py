@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
-import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -42,6 +39,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Optional
 
+from backend.types.child_process import FD, start_child
 from backend.types.errors import InvalidRequestError, OverloadedError
 from frontend import template_worker as W
 
@@ -225,17 +223,9 @@ class TemplateSandbox:
     def _spawn(self) -> _Worker:
         """A new worker process (its own interpreter: nothing of this process is inherited but a
         socket), once it says it is ready."""
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_MAIN, "--fd", str(theirs.fileno()),
-                 "--max-memory-bytes", str(self.max_memory_bytes), "--max-output-bytes", str(self.max_output_bytes)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True)
-        finally:
-            theirs.close()
-        worker = _Worker(process, Connection(ours.detach()))
+        worker = _Worker(*start_child(
+            ["-c", _WORKER_MAIN, "--fd", FD, "--max-memory-bytes", str(self.max_memory_bytes),
+             "--max-output-bytes", str(self.max_output_bytes)], source_root=_PACKAGE_ROOT))
         if not worker.conn.poll(WORKER_START_TIMEOUT_S):
             worker.kill()
             raise RuntimeError(f"the worker did not start within {WORKER_START_TIMEOUT_S:.0f} s")

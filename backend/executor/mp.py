@@ -19,9 +19,7 @@ import pickle
 import queue
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import weakref
@@ -35,6 +33,7 @@ from backend.executor.step_delta import StepEncoder
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import SchedulerOutput
 from backend.models.resolve import config_for_workers
+from backend.types.child_process import FD, start_child
 from backend.types.config import EngineConfig
 from backend.types.errors import WorkerDiedError
 from backend.worker.worker import cpu_share
@@ -67,19 +66,9 @@ class WorkerProcesses:
         self._lock = threading.Lock()
 
     def start(self, env: dict[str, str]) -> None:
-        parent_sock, child_sock = socket.socketpair()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "backend.executor.mp_worker", str(child_sock.fileno()),
-                 str(os.getpid())],
-                pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL)
-        except BaseException:
-            parent_sock.close()
-            raise
-        finally:
-            child_sock.close()
+        proc, conn = start_child(["-m", "backend.executor.mp_worker", FD, str(os.getpid())], env)
         self.procs.append(proc)
-        self.conns.append(Connection(parent_sock.detach()))
+        self.conns.append(conn)
 
     def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         self.stopping = True

@@ -37,9 +37,7 @@ import logging
 import os
 import queue
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,11 +45,11 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
 
 from backend.core.structured_output import compile_worker as W
+from backend.types.child_process import FD, start_child
 from backend.types.errors import EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError
 from backend.types.sampling_params import StructuredOutputsParams
 
@@ -79,20 +77,9 @@ class _WorkerProcess:
     """One ``backend.grammar_worker`` process and its socket."""
 
     def __init__(self, tokenizer_info_path: str) -> None:
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH")) if p)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "backend.core.structured_output.compile_worker", str(child_sock.fileno()), str(os.getpid()),
-                 tokenizer_info_path],
-                pass_fds=[child_sock.fileno()], env=env, stdin=subprocess.DEVNULL)
-        except BaseException:
-            parent_sock.close()
-            raise
-        finally:
-            child_sock.close()
-        self.conn = Connection(parent_sock.detach())
+        self.process, self.conn = start_child(
+            ["-m", "backend.core.structured_output.compile_worker", FD, str(os.getpid()), tokenizer_info_path],
+            source_root=_SOURCE_ROOT)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Return once the worker is set up; RuntimeError (the worker killed) if it is not in time."""
