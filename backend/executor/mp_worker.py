@@ -16,22 +16,10 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 
-PARENT_POLL_S = 0.5
-
-
-def exit_when_orphaned(parent_pid: int) -> None:
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
+from backend.types.child_process import exit_when_orphaned
 
 def serve(conn: Connection) -> int:
     from backend.distributed import get_parallel_state

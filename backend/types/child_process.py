@@ -1,6 +1,7 @@
-"""Starting a worker process: a fresh Python interpreter that talks to its parent over one end of a
-socket pair (a ``multiprocessing`` ``Connection``). Used by the mp executor's workers, the grammar
-compiler's workers and the frontend's chat-template workers. Pure Python, no torch."""
+"""Worker processes: a fresh Python interpreter that talks to its parent over one end of a socket
+pair (a ``multiprocessing`` ``Connection``), started by ``start_child``, and that exits when its
+parent does (``exit_when_orphaned``). Used by the mp executor's workers, the grammar compiler's
+workers and the frontend's chat-template workers. Pure Python, no torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Optional
 
@@ -32,3 +35,14 @@ def start_child(args: list[str], env: Optional[dict[str, str]] = None,
     finally:
         child_sock.close()
     return process, Connection(parent_sock.detach())
+
+
+def exit_when_orphaned(parent_pid: int, poll_s: float = 0.5) -> None:
+    """In a child: exit at once when the parent process is gone (it reparents us), even while the
+    main thread is busy (a compile, a step): a thread polls, then ``os._exit(1)``."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -21,10 +21,10 @@ import os
 import re
 import signal
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
+
+from backend.types.child_process import exit_when_orphaned
 
 READY = "ready"
 START_FAILED = "start_failed"
@@ -56,18 +56,6 @@ def grammar_ebnf(spec) -> str:
     if spec.choice is not None:  # JSON string escapes are GBNF's too
         return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
     return str(xgrammar.Grammar.from_ebnf(spec.grammar))
-
-
-def exit_when_orphaned(parent_pid: int, poll_s: float = 0.5) -> None:
-    """Exit once the engine process is gone, even while the main thread is inside a compile.
-
-    (backend.executor.mp_worker has the same watchdog; importing it would load the model runner.)"""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def xgrammar_message(error: BaseException) -> str:
