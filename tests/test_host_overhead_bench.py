@@ -1,0 +1,47 @@
+"""bench/host_overhead.py end to end at its smallest size: every row is there, every figure is a
+real time, and the simulated device really held each step for D. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICE_MS = 0.5
+STEPS = 3
+
+
+@pytest.mark.timeout(150)
+def test_smallest_matrix_reports_every_row_with_real_times(tmp_path):
+    out = tmp_path / "host.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "host_overhead.py"), "--batches", "1,2", "--contexts", "64",
+         "--device-ms", str(DEVICE_MS), "--steps", str(STEPS), "--warmup", "1", "--structured", "2x64",
+         "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    rows = {(p["batch"], p["context"], p["variant"]): p for p in report["points"]}
+    assert set(rows) == {(1, 64, "plain"), (1, 64, "penalties"), (2, 64, "plain"), (2, 64, "penalties"),
+                         (2, 64, "structured")}
+    for key, point in rows.items():
+        assert math.isfinite(point["host_ms"]) and point["host_ms"] > 0, key
+        assert set(point["steps_ms"]) == {"0", "0.5"}, key
+        assert all(len(steps) == STEPS for steps in point["steps_ms"].values()), key
+        # The device was busy D ms in every timed step, and the step lasted at least that long.
+        assert point["device_ms_elapsed"]["0.5"] >= DEVICE_MS, key
+        assert min(point["steps_ms"]["0.5"]) >= DEVICE_MS, key
+        assert point["period_ms"]["0.5"] >= DEVICE_MS, key
+        # At D = 0 the simulated device only hands back its buffers: the step is nearly all host.
+        assert point["device_ms_elapsed"]["0"] < point["period_ms"]["0"], key
+
+    table = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(rows)  # header, rule, one line per point
+    assert "period at D = 0.5 ms" in table[0]
+    assert any("| structured |" in line for line in table)
