@@ -177,6 +177,7 @@ class Point:
     period_ms: dict[str, float] = field(default_factory=dict)  # str(D) -> median step wall time
     device_ms_elapsed: dict[str, float] = field(default_factory=dict)  # str(D) -> median device time
     steps_ms: dict[str, list[float]] = field(default_factory=dict)  # str(D) -> every step's wall time
+    load_average: float = math.nan  # the machine's 1-minute load average once the point was timed
 
 
 def sampling_params(variant: str) -> SamplingParams:
@@ -224,6 +225,7 @@ def run_point(engine: LLMEngine, device: SimulatedDevice, batch: int, context: i
         point.device_ms_elapsed[key] = statistics.median(busy) * 1e3
         if d == 0.0:
             point.host_ms = statistics.median(w - b for w, b in zip(walls, busy)) * 1e3
+    point.load_average = os.getloadavg()[0]
     engine.abort_request(ids)
     return point
 
@@ -309,7 +311,8 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
                 points.append(run_point(engine, device, b, c, v, args.device_ms, args.steps, args.warmup,
                                     args.max_seconds, seed=i))
                 print(f"# {b} x {c:,} {v}: host {points[-1].host_ms:.2f} ms/step "
-                      f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+                      f"({time.perf_counter() - start:.1f} s, load {points[-1].load_average:.2f})",
+                      file=sys.stderr, flush=True)
             kv_mib = engine.block_manager.num_blocks * runner.kv_bytes_per_block() / 2 ** 20
         finally:
             engine.shutdown()
