@@ -148,10 +148,10 @@ def poisoned_penalties(monkeypatch):
     one request's parameters reach)."""
     apply = sampler_module._apply_penalties
 
-    def poisoned(logits, rows, row_indices):
+    def poisoned(logits, rows, row_indices, *args):
         if any(rows[i].params.repetition_penalty == POISON_PENALTY for i in row_indices):
             raise RuntimeError("injected sampler failure")
-        return apply(logits, rows, row_indices)
+        return apply(logits, rows, row_indices, *args)
 
     monkeypatch.setattr(sampler_module, "_apply_penalties", poisoned)
 

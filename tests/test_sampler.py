@@ -245,6 +245,44 @@ def test_penalties_match_the_reference_formula():
     assert torch.equal(actual[3], logits[3])
 
 
+def test_penalty_history_gives_exactly_the_token_list_penalties_as_outputs_grow():
+    """The incremental counts (PenaltyHistory, updated by difference each step, slots freed and
+    reused, tables grown) give bit for bit what the token lists give, drafts before a row included."""
+    import dataclasses
+    import random
+
+    from backend.worker.penalty_history import INITIAL_SLOTS, PenaltyHistory
+
+    vocab, rng = 64, random.Random(3)
+    history = PenaltyHistory(vocab, torch.device("cpu"))
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=-0.4),
+             dict(repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=1.5), dict(presence_penalty=2.0)]
+    sequences = {f"s{i}": (rng.sample(range(vocab), rng.randint(1, 9)), [], kinds[i % len(kinds)])
+                 for i in range(INITIAL_SLOTS + 5)}  # more than the first table holds
+    for step in range(12):
+        for _, output, _ in sequences.values():
+            output.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 2)))
+        if step == 6:  # some finish, new ones take their slots
+            finished = [rid for rid in sequences if int(rid[1:]) % 3 == 0]
+            history.release(finished)
+            for rid in finished:
+                del sequences[rid]
+            sequences.update({f"n{i}": ([rng.randrange(vocab)], [rng.randrange(vocab)], kinds[i % 4]) for i in range(4)})
+        ids = list(sequences)
+        slots = history.update([(rid, sequences[rid][0], sequences[rid][1]) for rid in ids])
+        drafts = [[rng.randrange(vocab) for _ in range(rng.randint(0, 2))] for _ in ids]
+        rows = [make_row(prompt=sequences[rid][0], output=sequences[rid][1] + extra, **sequences[rid][2])
+                for rid, extra in zip(ids, drafts)]
+        logits = random_logits(len(rows), vocab=vocab, seed=step)
+        expected, actual = logits.clone(), logits.clone()
+        _apply_penalties(expected, rows, list(range(len(rows))))
+        fast = [dataclasses.replace(row, penalty_slot=slot, extra_history=extra)
+                for row, slot, extra in zip(rows, slots, drafts)]
+        _apply_penalties(actual, fast, list(range(len(rows))), history)
+        assert torch.equal(actual, expected), step
+    assert len(set(history.slot_of.values())) == len(sequences)
+
+
 def test_greedy_with_repetition_penalty_avoids_the_repeated_token():
     logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
     plain = Sampler()(logits, [make_row(prompt=[3], output=[0], temperature=0.0)])

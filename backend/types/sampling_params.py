@@ -214,5 +214,10 @@ class SamplingParams:
         return self.logprobs is not None or self.logprob_token_ids is not None
 
     @property
+    def has_penalties(self) -> bool:
+        """A repetition, frequency or presence penalty is on."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1

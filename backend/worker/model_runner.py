@@ -26,6 +26,7 @@ from backend.types.sampling_params import SamplingParams
 from backend.worker import cuda_graphs
 from backend.worker.draft_acceptance import accept_drafts
 from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
+from backend.worker.penalty_history import PenaltyHistory
 from backend.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.penalty_history: Optional[PenaltyHistory] = None  # made at the first penalized request
         # Graphs of decode steps (cuda_graphs.py; None: every step eager; always so with enforce_eager).
         # Not captured over several workers: collectives inside a graph are not set up (yet).
         self.graph_cls = (None if config.enforce_eager or self.parallel.world_size > 1
@@ -270,6 +272,8 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.penalty_history is not None:
+            self.penalty_history.release(sched.finished_request_ids)
         out = ModelRunnerOutput()
         if not sched.scheduled:
             return out
@@ -313,8 +317,9 @@ class ModelRunner:
             # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.
             allowed = grammar.for_sampler_rows([s.request_id for s, _, _ in sample_rows])
         try:
-            rows = [self._sampling_row(s, j) for s, _, j in sample_rows]
-            sampled = self.sampler(logits, rows, allowed)
+            slots = self._penalty_slots([s for s, _, _ in groups], logits.shape[1])
+            rows = [self._sampling_row(s, j, slots) for s, _, j in sample_rows]
+            sampled = self.sampler(logits, rows, allowed, self.penalty_history)
             for s, first, count in groups:
                 self._take_tokens(s, sampled, first, count, out)
             return
@@ -327,9 +332,10 @@ class ModelRunner:
         out.logprobs.clear()
         for s, first, count in groups:
             try:
-                rows = [self._sampling_row(s, j) for j in range(count)]
+                slots = self._penalty_slots([s], logits.shape[1])
+                rows = [self._sampling_row(s, j, slots) for j in range(count)]
                 sub_allowed = allowed.subset(first, count) if allowed is not None else None
-                sampled = self.sampler(logits[first:first + count], rows, sub_allowed)
+                sampled = self.sampler(logits[first:first + count], rows, sub_allowed, self.penalty_history)
                 self._take_tokens(s, sampled, 0, count, out)
             except Exception as error:  # noqa: BLE001
                 if _is_device_fault(error):
@@ -338,10 +344,24 @@ class ModelRunner:
                 out.logprobs.pop(s.request_id, None)
                 out.failed[s.request_id] = _request_failure(error, "sampling")
 
-    def _sampling_row(self, s: ScheduledRequest, draft_offset: int) -> SamplingRow:
+    def _penalty_slots(self, requests: list[ScheduledRequest], vocab_size: int) -> dict[str, int]:
+        """Request ID -> its row in ``penalty_history``, for the requests with penalties, each
+        with its outputs so far counted (only the new ones are added: O(new tokens))."""
+        penalized = [s for s in requests if s.sampling_params.has_penalties]
+        if not penalized:
+            return {}
+        if self.penalty_history is None:
+            self.penalty_history = PenaltyHistory(vocab_size, self.device)
+        slots = self.penalty_history.update([(s.request_id, s.prompt_token_ids, s.output_token_ids)
+                                             for s in penalized])
+        return {s.request_id: slot for s, slot in zip(penalized, slots)}
+
+    def _sampling_row(self, s: ScheduledRequest, draft_offset: int, penalty_slots: dict[str, int]) -> SamplingRow:
+        drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:draft_offset] if draft_offset else ()
         return SamplingRow(params=s.sampling_params, prompt_token_ids=s.prompt_token_ids,
                            output_token_ids=_history(s, draft_offset), eos_token_id=s.eos_token_id,
-                           generator=self._generator(s))
+                           generator=self._generator(s), penalty_slot=penalty_slots.get(s.request_id),
+                           extra_history=drafts)
 
     @staticmethod
     def _take_tokens(s: ScheduledRequest, sampled, first: int, count: int, out: ModelRunnerOutput) -> None:

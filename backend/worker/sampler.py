@@ -10,7 +10,7 @@ transforms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from backend.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from backend.messages.grammar_mask import TokenBitmask
+    from backend.worker.penalty_history import PenaltyHistory
 
 _NEG_INF = float("-inf")
 # Top-p first ranks only this many most likely tokens; wider nuclei fall back to a full sort.
@@ -33,6 +34,10 @@ class SamplingRow:
     The token lists are the request's own lists, read but never modified.
     ``generator`` is the request's RNG (the runner creates it from
     ``params.seed`` on the logits' device and keeps it across steps).
+    ``penalty_slot``: the sequence's row in the ``PenaltyHistory`` passed to the
+    sampler (its prompt and outputs counted there); ``extra_history`` the tokens of
+    ``output_token_ids`` beyond those outputs (the drafts before a draft row).
+    Without a slot, penalties are computed from the token lists.
     """
 
     params: SamplingParams
@@ -40,11 +45,12 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_id: Optional[int]
     generator: Optional[torch.Generator] = None
+    penalty_slot: Optional[int] = None
+    extra_history: Sequence[int] = ()
 
     @property
     def has_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        return self.params.has_penalties
 
     @property
     def below_min_tokens(self) -> bool:
@@ -61,7 +67,8 @@ class Sampler:
     """Stateless: per-request state (tokens, RNG) comes in with the rows."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 allowed_tokens: Optional[TokenBitmask] = None) -> SamplerOutput:
+                 allowed_tokens: Optional[TokenBitmask] = None,
+                 penalty_history: Optional[PenaltyHistory] = None) -> SamplerOutput:
         """logits: [num_rows, vocab], any float dtype; all math runs in float32.
 
         ``allowed_tokens`` (structured outputs) masks the other tokens of its rows
@@ -91,7 +98,7 @@ class Sampler:
         if min_tokens_rows:
             _mask_stop_tokens(work, rows, min_tokens_rows)
         if penalty_rows:
-            _apply_penalties(work, rows, penalty_rows)
+            _apply_penalties(work, rows, penalty_rows, penalty_history)
 
         if len(random_rows) == num_rows:
             token_ids = _sample_random(work, rows)  # [num_rows]; filters our own copy in place
@@ -155,12 +162,22 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_indices
         logits[torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device)] = _NEG_INF
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int]) -> None:
-    """Repetition (prompt + output), frequency and presence (output) penalties, in place."""
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
+                     history: Optional[PenaltyHistory] = None) -> None:
+    """Repetition (prompt + output), frequency and presence (output) penalties, in place.
+
+    With ``history`` (and every row's ``penalty_slot``) the counts come from it: O(rows x vocab)
+    tensor work; otherwise from the token lists, O(tokens) Python work (the reference)."""
     device = logits.device
-    num_rows, vocab_size = len(row_indices), logits.shape[1]
     index = torch.tensor(row_indices, device=device)
     sub = logits[index]  # [num_penalty_rows, vocab]
+    if history is not None and all(rows[i].penalty_slot is not None for i in row_indices):
+        need_seen = any(rows[i].params.repetition_penalty != 1.0 for i in row_indices)
+        seen, counts = history.gather([rows[i].penalty_slot for i in row_indices],
+                                      [rows[i].extra_history for i in row_indices], need_seen)
+        logits[index] = _penalized(sub, rows, row_indices, seen, counts)
+        return
+    num_rows, vocab_size = len(row_indices), logits.shape[1]
 
     seen_rows: list[int] = []
     seen_tokens: list[int] = []
@@ -177,16 +194,10 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices:
             output_rows.extend([j] * len(output))
             output_tokens.extend(output)
 
+    seen = counts = None
     if seen_rows:
         seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
         seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_tokens, device=device)] = True
-        penalty = torch.tensor(
-            [rows[i].params.repetition_penalty for i in row_indices], dtype=torch.float32, device=device
-        ).unsqueeze(1)  # [num_penalty_rows, 1]
-        # HF/vLLM: shrink a seen token's logit towards zero (divide positive, multiply negative).
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        sub = torch.where(seen, penalized, sub)
-
     if output_rows:
         counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
         counts.index_put_(
@@ -194,6 +205,24 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices:
             torch.ones(len(output_rows), dtype=torch.float32, device=device),
             accumulate=True,
         )
+    logits[index] = _penalized(sub, rows, row_indices, seen, counts)
+
+
+def _penalized(sub: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
+               seen: Optional[torch.Tensor], counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """``sub`` [n, vocab] with the penalties applied: ``seen`` [n, vocab] bool (prompt or output
+    tokens, for the repetition penalty; None: no row has one), ``counts`` [n, vocab] float32
+    (output token counts; None: no output tokens). Rows without a penalty are left unchanged,
+    since their factor is 1 and their weights 0."""
+    device = sub.device
+    if seen is not None:
+        penalty = torch.tensor(
+            [rows[i].params.repetition_penalty for i in row_indices], dtype=torch.float32, device=device
+        ).unsqueeze(1)  # [num_penalty_rows, 1]
+        # HF/vLLM: shrink a seen token's logit towards zero (divide positive, multiply negative).
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        sub = torch.where(seen, penalized, sub)
+    if counts is not None:
         frequency = torch.tensor(
             [rows[i].params.frequency_penalty for i in row_indices], dtype=torch.float32, device=device
         ).unsqueeze(1)  # [num_penalty_rows, 1]
@@ -201,8 +230,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices:
             [rows[i].params.presence_penalty for i in row_indices], dtype=torch.float32, device=device
         ).unsqueeze(1)  # [num_penalty_rows, 1]
         sub = sub - frequency * counts - presence * (counts > 0).float()
-
-    logits[index] = sub
+    return sub
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""Each penalized sequence's token history as counts on the device, updated by difference.
+
+Repetition, frequency and presence penalties need, per sequence, which tokens its prompt holds and
+how often each output token occurred. Rebuilding that from the token lists every step costs
+O(batch x context) Python work (at batch 256 and 1k tokens of context, most of a step). Here each
+sequence that asks for a penalty gets a slot, a row of two persistent tables::
+
+    prompt_seen    [slots, vocab] bool   its prompt's tokens, written once
+    output_counts  [slots, vocab] int32  how often each output token occurred, + the new ones each step
+
+so a step costs O(new tokens) to update and one gather of the penalized rows. A slot is freed when
+its sequence finishes; the tables grow (doubling) when every slot is taken. Output tokens are only
+ever appended (a preemption keeps them; rejected drafts never join), which is what makes the
+difference enough.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+INITIAL_SLOTS = 16
+
+
+class PenaltyHistory:
+    """Token histories of the sequences that use penalties, by request ID (runner-owned)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.prompt_seen = torch.zeros(INITIAL_SLOTS, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(INITIAL_SLOTS, vocab_size, dtype=torch.int32, device=device)
+        self.slot_of: dict[str, int] = {}
+        self.num_counted: dict[str, int] = {}  # output tokens already in output_counts
+        self.free_slots = list(range(INITIAL_SLOTS - 1, -1, -1))
+
+    def update(self, sequences: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[int]:
+        """(request ID, prompt token IDs, output token IDs) of each penalized sequence this step ->
+        their slots, with every output token counted. Tokens outside the vocabulary (an EOS or stop
+        ID the logits do not cover cannot be sampled, so they never appear) are not expected."""
+        slots: list[int] = []
+        new_slots: list[int] = []
+        new_tokens: list[int] = []
+        for request_id, prompt, output in sequences:
+            slot = self.slot_of.get(request_id)
+            if slot is None:
+                slot = self._take_slot()
+                self.slot_of[request_id] = slot
+                self.num_counted[request_id] = 0
+                self.prompt_seen[slot].zero_()
+                self.output_counts[slot].zero_()
+                if prompt:
+                    self.prompt_seen[slot, torch.tensor(list(prompt), device=self.device)] = True
+            counted = self.num_counted[request_id]
+            if len(output) > counted:
+                fresh = output[counted:]
+                new_slots.extend([slot] * len(fresh))
+                new_tokens.extend(fresh)
+                self.num_counted[request_id] = len(output)
+            slots.append(slot)
+        if new_tokens:
+            index = (torch.tensor(new_slots, device=self.device), torch.tensor(new_tokens, device=self.device))
+            self.output_counts.index_put_(index, torch.ones(len(new_tokens), dtype=torch.int32, device=self.device),
+                                          accumulate=True)
+        return slots
+
+    def release(self, request_ids) -> None:
+        """Free the slots of finished sequences (unknown IDs are ignored)."""
+        for request_id in request_ids:
+            slot = self.slot_of.pop(request_id, None)
+            if slot is not None:
+                del self.num_counted[request_id]
+                self.free_slots.append(slot)
+
+    def gather(self, slots: list[int], extra_tokens: Sequence[Sequence[int]],
+               need_seen: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The rows of ``slots``: (prompt-or-output seen [n, vocab] bool, or None unless
+        ``need_seen``; output counts [n, vocab] float32), each row also counting its
+        ``extra_tokens`` (the drafts before a draft row, which are not outputs yet)."""
+        index = torch.tensor(slots, device=self.device)
+        counts = self.output_counts.index_select(0, index).float()  # [n, vocab]
+        extra_rows = [i for i, tokens in enumerate(extra_tokens) for _ in tokens]
+        if extra_rows:
+            flat = [t for tokens in extra_tokens for t in tokens]
+            counts.index_put_((torch.tensor(extra_rows, device=self.device), torch.tensor(flat, device=self.device)),
+                              torch.ones(len(flat), device=self.device), accumulate=True)
+        seen = None
+        if need_seen:
+            seen = self.prompt_seen.index_select(0, index) | (counts > 0)  # [n, vocab]
+        return seen, counts
+
+    def _take_slot(self) -> int:
+        if not self.free_slots:
+            old = self.prompt_seen.shape[0]
+            self.prompt_seen = torch.cat([self.prompt_seen, torch.zeros_like(self.prompt_seen)])
+            self.output_counts = torch.cat([self.output_counts, torch.zeros_like(self.output_counts)])
+            self.free_slots = list(range(2 * old - 1, old - 1, -1))
+        return self.free_slots.pop()
