@@ -11,7 +11,7 @@ matmul engine torch offers on this device:
     fbgemm-int8   int8 weights and activations quantized per step (fbgemm; for comparison)
     F.linear bf16, onednn bf16   only where the CPU computes bf16 natively (the engine's default
                   dtype there: onednn bf16 is what it runs without AMX)
-    tandem amx bf16   only where the CPU has AMX: Tandem's own kernel (kernels/csrc/amx_linear.cpp),
+    tandem amx bf16   only where the CPU has AMX: Tandem's own kernel (kernels/tandem_kernels/csrc/amx_linear.cpp),
                   what the engine runs there instead of oneDNN
 
 The best unquantized torch engine's time is the decode step's ceiling at full
@@ -100,12 +100,12 @@ def engines(dtype_bf16: bool):
         "onednn fp32": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32),
                         lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
     }
-    import kernels.cpu
+    import tandem_kernels.cpu
 
-    if kernels.cpu.available():
+    if tandem_kernels.cpu.available():
         from backend.models.linear_methods import quantize_int8
 
-        out["int8"] = (quantize_int8, lambda x, qs: kernels.cpu.int8_linear(x, qs[0], qs[1], None))
+        out["int8"] = (quantize_int8, lambda x, qs: tandem_kernels.cpu.int8_linear(x, qs[0], qs[1], None))
     if torch.backends.quantized.supported_engines.count("fbgemm"):
         torch.backends.quantized.engine = "fbgemm"
 
@@ -119,9 +119,9 @@ def engines(dtype_bf16: bool):
         out["F.linear bf16"] = (lambda w: w.bfloat16(), lambda x, w: F.linear(x, w))
         out["onednn bf16"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32),
                               lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
-        if kernels.cpu.amx_available():
-            out[OWN_AMX] = (lambda w: (kernels.cpu.amx_pack_weight(w.bfloat16()), w.shape[0]),
-                            lambda x, s: kernels.cpu.amx_linear(x, s[0], s[1], None))
+        if tandem_kernels.cpu.amx_available():
+            out[OWN_AMX] = (lambda w: (tandem_kernels.cpu.amx_pack_weight(w.bfloat16()), w.shape[0]),
+                            lambda x, s: tandem_kernels.cpu.amx_linear(x, s[0], s[1], None))
     return out
 
 

@@ -1,7 +1,7 @@
 """Each Triton kernel against its torch reference: error, time, achieved bandwidth.
 
 Decode attention runs at (batch, context) points on a paged cache with scattered
-blocks; its reference is kernels/reference.py's path (gather the blocks, then
+blocks; its reference is kernels/tandem_kernels/reference.py's path (gather the blocks, then
 ``scaled_dot_product_attention``). The element-wise kernels (fused add + RMSNorm,
 rotary, KV-cache write) run at batch tokens. Bandwidth is the bytes a kernel must
 move (read + write, no re-reads) over its time, and a fraction of the device's
@@ -29,7 +29,7 @@ if __name__ == "__main__":  # run as a script, bench/ is sys.path[0], where this
 
 import torch
 
-from kernels import reference as R
+from tandem_kernels import reference as R
 
 POINTS = [(1, 1024), (1, 8192), (64, 1024), (256, 1024), (256, 4096)]
 TINY_POINTS = [(1, 40), (3, 130)]
@@ -79,7 +79,7 @@ def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
 
 def bench_attention(points, shape: dict, dtype: torch.dtype, device: torch.device, bandwidth_gbs: float,
                     block_size: int = 16) -> list[dict]:
-    from kernels import attention
+    from tandem_kernels import attention
 
     rows = []
     for batch, context in points:
@@ -100,7 +100,7 @@ def bench_attention(points, shape: dict, dtype: torch.dtype, device: torch.devic
 
 def bench_elementwise(batches, shape: dict, dtype: torch.dtype, device: torch.device,
                       bandwidth_gbs: float, block_size: int = 16) -> list[dict]:
-    from kernels import cache_ops, norms, rotary
+    from tandem_kernels import cache_ops, norms, rotary
 
     g = torch.Generator(device=device).manual_seed(0)
     heads, kvh, d, hidden = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["hidden"]

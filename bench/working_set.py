@@ -5,7 +5,7 @@ sequence's K and V once (~160 MB at 200 tokens each); together they are more tha
 caches hold, so each is read at the rate of memory, not of the L3 that a benchmark of one of
 them alone may partly hit. This script times, on the default model's shapes:
 
-  1. paged attention alone (kernels.cpu.paged_attention) over 10 to 120 layers' caches: its rate
+  1. paged attention alone (tandem_kernels.cpu.paged_attention) over 10 to 120 layers' caches: its rate
      as the working set grows past the caches;
   2. attention and the layer's matmuls (the engine's matmul kernel for bf16 on this CPU) alone,
      then interleaved layer by layer as in a step, with each kind's own time in the interleaved
@@ -44,11 +44,11 @@ def best_ms(fn, repeat: int = 8) -> float:
 
 def matmul_kernel():
     """(prepare(weight [out, in] fp32) -> state, run(x bf16, state)): Tandem's bf16 matmul here."""
-    import kernels.cpu
+    import tandem_kernels.cpu
 
-    if kernels.cpu.amx_available():
-        return (lambda w: (kernels.cpu.amx_pack_weight(w.bfloat16()), w.shape[0]),
-                lambda x, s: kernels.cpu.amx_linear(x, s[0], s[1], None))
+    if tandem_kernels.cpu.amx_available():
+        return (lambda w: (tandem_kernels.cpu.amx_pack_weight(w.bfloat16()), w.shape[0]),
+                lambda x, s: tandem_kernels.cpu.amx_linear(x, s[0], s[1], None))
     return (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32),
             lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
 
@@ -60,10 +60,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
 
-    import kernels.cpu
+    import tandem_kernels.cpu
 
-    if not kernels.cpu.available():
-        sys.exit(f"the CPU kernels are unavailable: {kernels.cpu.unavailable_reason()}")
+    if not tandem_kernels.cpu.available():
+        sys.exit(f"the CPU kernels are unavailable: {tandem_kernels.cpu.unavailable_reason()}")
     torch.manual_seed(0)
     batch, context, layers = args.batch, args.context, args.layers
     blocks = -(-context // BLOCK)
@@ -76,7 +76,7 @@ def main() -> None:
     kv_mb = batch * context * KV_HEADS * HEAD_DIM * 2 * 2 / 1e6  # one layer's K and V, bf16
 
     def attend(k, v):
-        kernels.cpu.paged_attention(query, k, v, tables, lens, starts, HEAD_DIM ** -0.5)
+        tandem_kernels.cpu.paged_attention(query, k, v, tables, lens, starts, HEAD_DIM ** -0.5)
 
     print(f"paged attention alone, batch {batch} x {context} tokens ({kv_mb:.1f} MB of K and V a layer)")
     for n in (layers // 3, layers, 2 * layers, 4 * layers):

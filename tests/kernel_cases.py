@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference as R
+from tandem_kernels import reference as R
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
-# `backend/engine/llm_engine.py:LLMEngine.step`, `kernels/attention.py`, `...engine.proto:Generate`
+# `backend/engine/llm_engine.py:LLMEngine.step`, `kernels/tandem_kernels/attention.py`, `...engine.proto:Generate`
 REFERENCE = re.compile(r"`((?:frontend|backend|kernels|protos)/[\w/]+\.(?:py|proto))(?::([\w.]+))?`")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernel_cases import make_paged_batch
-from kernels import reference as R
+from tandem_kernels import reference as R
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ SHAPES = [("smollm2", 9, 3, 64), ("llama-1b", 32, 8, 64), ("qwen-0.5b", 14, 2, 6
     [(0, 512), (300, 200), (4000, 1), (17, 1), (2047, 1), (0, 1000)],  # mixed prefill chunks + decodes
 ], ids=["decode-64x1k", "decode-1x8k", "mixed"])
 def test_attention_realistic(name, heads, kv_heads, head_dim, shapes):
-    from kernels import attention
+    from tandem_kernels import attention
 
     b = make_paged_batch(shapes, heads, kv_heads, head_dim, 16, torch.bfloat16, "cuda")
     scale = head_dim ** -0.5
@@ -35,7 +35,7 @@ def test_attention_realistic(name, heads, kv_heads, head_dim, shapes):
 
 @pytest.mark.parametrize("hidden", [576, 2048, 896])
 def test_norms_and_rotary_realistic(hidden):
-    from kernels import norms, rotary
+    from tandem_kernels import norms, rotary
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x, residual, weight = (torch.randn(shape, generator=g, device="cuda").bfloat16()

@@ -1,6 +1,6 @@
-"""The fused CPU kernels (kernels/csrc/, one file per op family) against their plain-torch twins,
-and the AMX linear (kernels/csrc/amx_linear.cpp, where the CPU has AMX) against the exact matmul;
-and the build's cache key, which covers every file in kernels/csrc/.
+"""The fused CPU kernels (kernels/tandem_kernels/csrc/, one file per op family) against their plain-torch twins,
+and the AMX linear (kernels/tandem_kernels/csrc/amx_linear.cpp, where the CPU has AMX) against the exact matmul;
+and the build's cache key, which covers every file in kernels/tandem_kernels/csrc/.
 
 Mixed batches: decodes and prefill chunks with cached prefixes, block
 boundaries crossed, GQA. fp32 must agree to float rounding (rotary and norms
@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 
-import kernels.cpu as cpu
-from kernels import reference
+import tandem_kernels.cpu as cpu
+from tandem_kernels import reference
 
 cpu.available()  # build or load the kernels (the launchers below assume they are loaded)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from tandem_kernels import ops as kernels
 from kernel_cases import make_paged_batch
-from kernels import reference as R
+from tandem_kernels import reference as R
 
 
 def dense_causal_attention(q, k, v, scale):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_cases import make_paged_batch
-from kernels import reference as R
+from tandem_kernels import reference as R
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (dtype, atol=rtol): fp32 dots are IEEE (no TF32), so only summation order differs.
@@ -20,7 +20,7 @@ TOLERANCES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
 
 @pytest.fixture(scope="module")
 def triton_kernels():
-    from kernels import attention, cache_ops, norms, rotary
+    from tandem_kernels import attention, cache_ops, norms, rotary
 
     return attention, cache_ops, norms, rotary
 

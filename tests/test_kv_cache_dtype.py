@@ -12,13 +12,13 @@ import torch
 from test_correctness import make_engine, random_prompts, run_engine
 from test_kernels_cpu import TOL, _batch, reference_and_fused_attention
 
-import kernels
-import kernels.cpu as cpu
+from tandem_kernels import ops as kernels
+import tandem_kernels.cpu as cpu
 from backend.models.resolve import resolve_config
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import SamplingParams
-from kernels import reference
+from tandem_kernels import reference
 
 FP8 = torch.float8_e4m3fn
 

@@ -12,8 +12,8 @@ import transformers as T
 from test_correctness import hf_greedy, make_engine, random_prompts, run_engine
 from test_kernels_cpu import needs_amx
 
-import kernels.cpu
-import kernels.reference
+import tandem_kernels.cpu
+import tandem_kernels.reference
 from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
 from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int8LinearMethod, OneDnnLinearMethod,
                                            W8A8LinearMethod, linear_method_for, quantize_int8)
@@ -68,7 +68,7 @@ def gate_up_layer(method, half=64, bias=False, dtype=torch.float32):
 def test_forward_gated_is_silu_and_mul_of_forward():
     layer, weight, _ = gate_up_layer(LinearMethod())
     x = torch.randn(6, 40)
-    expected = kernels.reference.silu_and_mul(torch.nn.functional.linear(x, weight))
+    expected = tandem_kernels.reference.silu_and_mul(torch.nn.functional.linear(x, weight))
     torch.testing.assert_close(layer.forward_gated(x), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="equal parts"):
         MergedColumnParallelLinear(40, [32, 64], bias=False).forward_gated(x)
@@ -83,7 +83,7 @@ def test_amx_method_fuses_silu_into_gate_up_bit_for_bit(half, bias):
     plain = layer(x)  # gate | up in the checkpoint's column order, whatever the packing
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
     torch.testing.assert_close(plain.float(), expected, rtol=2 ** -8, atol=1e-5)
-    assert torch.equal(layer.forward_gated(x), kernels.cpu.silu_and_mul(plain))
+    assert torch.equal(layer.forward_gated(x), tandem_kernels.cpu.silu_and_mul(plain))
 
 
 ONEDNN_GROWTH_SCRIPT = """
@@ -133,7 +133,7 @@ def test_int8_method_computes_the_dequantized_matmul(rows):
 def test_method_choice():
     cpu = torch.device("cpu")
     assert isinstance(linear_method_for(cpu, torch.float32, None), OneDnnLinearMethod)
-    if kernels.cpu.amx_available():
+    if tandem_kernels.cpu.amx_available():
         bf16 = AmxLinearMethod
     elif torch.ops.mkldnn._is_mkldnn_bf16_supported():
         bf16 = OneDnnLinearMethod
@@ -185,7 +185,7 @@ def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoi
     assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
     layer = next(m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "int8_weight"))
     x = torch.randn(3, layer.int8_weight.shape[1])
-    torch.testing.assert_close(layer(x), kernels.reference.w8a8_linear(x, layer.int8_weight, layer.weight_scale, None),
+    torch.testing.assert_close(layer(x), tandem_kernels.reference.w8a8_linear(x, layer.int8_weight, layer.weight_scale, None),
                                atol=1e-5, rtol=1e-5)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_correctness import GREEDY, hf_greedy, make_engine, random_prompts, run_engine
 
-import kernels
+from tandem_kernels import ops as kernels
 from backend.worker.traced_graph import TracedGraph, compile_replay, torchscript_source, trace_ops
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-import kernels
+from tandem_kernels import ops as kernels
 
 if TYPE_CHECKING:
     from backend.models.layers import RotaryEmbedding
@@ -37,8 +37,8 @@ class Attention(nn.Module):
     Applies the rotary embedding (if the model has one) to q and k, writes this
     step's K/V into the cache, attends: one ``kernels.qkv_attention`` call, which on
     the CPU is one fused kernel. The model runner binds ``kv_cache`` =
-    (k_cache, v_cache), each ``kernels.kv_cache_shape`` (see
-    kernels/reference.py), before the first step.
+    (k_cache, v_cache), each ``tandem_kernels.ops.kv_cache_shape`` (see
+    kernels/tandem_kernels/reference.py), before the first step.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,

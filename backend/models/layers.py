@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-import kernels
+from tandem_kernels import ops as kernels
 from backend.models.linear import default_weight_loader
 
 

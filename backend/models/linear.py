@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+from tandem_kernels import ops as kernels
 from backend.distributed import ParallelState, get_parallel_state, tp_all_reduce
 
 

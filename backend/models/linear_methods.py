@@ -5,16 +5,16 @@
                               layout. Same math as F.linear, which on x86 CPUs goes to MKL: on AMD
                               CPUs MKL is 1.6-3x slower at decode batch sizes (bench/ceiling.py)
     AmxLinearMethod           CPU with AMX, bf16: the weight packed once into AMX tiles
-                              (kernels/csrc/amx_linear.cpp). F.linear's math (exact products, fp32
+                              (kernels/tandem_kernels/csrc/amx_linear.cpp). F.linear's math (exact products, fp32
                               sums, one rounding); a batch-32 decode step's matmuls 1.35-1.5x
                               faster than oneDNN's (which runs on AMX too), prompts' 0.74-1.09x;
                               an MLP's gate | up with its SiLU in the epilogue (``apply_gated``)
     Int8LinearMethod          CPU, ``quantization="int8"``: weight-only int8, one symmetric scale
-                              per output channel; activations stay fp32 (kernels/cpu.py's kernel),
+                              per output channel; activations stay fp32 (kernels/tandem_kernels/cpu.py's kernel),
                               so the result is the matmul with the dequantized weight
     W8A8LinearMethod          CPU, ``quantization="w8a8"``: the same int8 weights; activations
                               quantized per row and 32-wide block on the fly, products summed
-                              exactly in int32 (kernels.reference.w8a8_linear). At batch 1 the
+                              exactly in int32 (tandem_kernels.reference.w8a8_linear). At batch 1 the
                               int8 -> float conversions bound the int8 kernel; integer dot
                               products do not convert, and run near the memory bandwidth (the
                               matmuls 1.6x faster). With AVX-512 VNNI (vpdpbusd) a prompt's
@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-import kernels.cpu
+import tandem_kernels.cpu
 from backend.models.linear import LinearBase, LinearMethod
 
 
@@ -65,8 +65,8 @@ class OneDnnLinearMethod(LinearMethod):
 
 class AmxLinearMethod(LinearMethod):
     """A gate | up pair (halves of a multiple of 32 features, no bias) is packed with its 32-row
-    panels alternating (``kernels.cpu.amx_gated_order``), so that ``apply_gated`` computes
-    SiLU(gate) * up in the matmul's epilogue (``kernels.cpu.amx_gated_linear``): the gate | up
+    panels alternating (``tandem_kernels.cpu.amx_gated_order``), so that ``apply_gated`` computes
+    SiLU(gate) * up in the matmul's epilogue (``tandem_kernels.cpu.amx_gated_linear``): the gate | up
     product is never written out and read back by a separate SiLU pass."""
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
@@ -74,13 +74,13 @@ class AmxLinearMethod(LinearMethod):
         half = getattr(layer, "gated_half", None)
         layer.amx_gated_half = half if half and half % 32 == 0 and layer.bias is None else None
         if layer.amx_gated_half:
-            weight = weight[kernels.cpu.amx_gated_order(layer.amx_gated_half)]
-        layer.amx_weight = kernels.cpu.amx_pack_weight(weight)
+            weight = weight[tandem_kernels.cpu.amx_gated_order(layer.amx_gated_half)]
+        layer.amx_weight = tandem_kernels.cpu.amx_pack_weight(weight)
         layer.amx_out_features = layer.weight.shape[0]
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        out = kernels.cpu.amx_linear(x, layer.amx_weight, layer.amx_out_features, bias)
+        out = tandem_kernels.cpu.amx_linear(x, layer.amx_weight, layer.amx_out_features, bias)
         if layer.amx_gated_half:  # columns in panel order: back to gate | up
             out = out.view(-1, layer.amx_gated_half // 32, 2, 32).transpose(1, 2).reshape(out.shape)
         return out
@@ -88,28 +88,28 @@ class AmxLinearMethod(LinearMethod):
     def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if not layer.amx_gated_half:
             return super().apply_gated(layer, x, bias)
-        return kernels.cpu.amx_gated_linear(x, layer.amx_weight, layer.amx_gated_half)
+        return tandem_kernels.cpu.amx_gated_linear(x, layer.amx_weight, layer.amx_gated_half)
 
 
 class Int8LinearMethod(LinearMethod):
     name = "int8"
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        if not kernels.cpu.available():
+        if not tandem_kernels.cpu.available():
             raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
-                               f"{kernels.cpu.unavailable_reason()}")
+                               f"{tandem_kernels.cpu.unavailable_reason()}")
         layer.int8_weight, layer.weight_scale = quantize_int8(layer.weight.detach().float())
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return kernels.cpu.int8_linear(x, layer.int8_weight, layer.weight_scale, bias)
+        return tandem_kernels.cpu.int8_linear(x, layer.int8_weight, layer.weight_scale, bias)
 
 
 class W8A8LinearMethod(Int8LinearMethod):
     name = "w8a8"
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return kernels.cpu.w8a8_linear(x, layer.int8_weight, layer.weight_scale, bias)
+        return tandem_kernels.cpu.w8a8_linear(x, layer.int8_weight, layer.weight_scale, bias)
 
 
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
@@ -135,10 +135,10 @@ def release_weight(layer: LinearBase) -> None:
 
 def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Optional[str]) -> LinearMethod:
     if quantization is not None:
-        if device.type != "cpu" or not kernels.cpu.available():
+        if device.type != "cpu" or not tandem_kernels.cpu.available():
             raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only")
         return W8A8LinearMethod() if quantization == "w8a8" else Int8LinearMethod()
-    if device.type == "cpu" and dtype == torch.bfloat16 and kernels.cpu.amx_available():
+    if device.type == "cpu" and dtype == torch.bfloat16 and tandem_kernels.cpu.amx_available():
         return AmxLinearMethod()
     if device.type == "cpu" and torch.backends.mkldnn.is_available() and (
             dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):

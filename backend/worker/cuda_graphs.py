@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-import kernels
+from tandem_kernels import ops as kernels
 from backend.models.attention import AttentionMetadata
 from backend.worker.traced_graph import TracedGraph
 

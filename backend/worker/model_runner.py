@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-import kernels
+from tandem_kernels import ops as kernels
 from backend.distributed import get_parallel_state, pp_recv, pp_send
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -118,7 +118,7 @@ class ModelRunner:
             self.graphs.capture()
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Each layer's K and V cache (layout: ``kernels.kv_cache_shape``)."""
+        """Each layer's K and V cache (layout: ``tandem_kernels.ops.kv_cache_shape``)."""
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = kernels.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)

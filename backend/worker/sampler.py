@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-import kernels
+from tandem_kernels import ops as kernels
 from backend.types.outputs import Logprob, PositionLogprobs
 from backend.types.sampling_params import SamplingParams
 

@@ -5,9 +5,9 @@ and nothing else:
 
 - CUDA tensors -> the Triton kernels (``attention``, ``cache_ops``, ``norms``,
   ``rotary``: imported on first use, so a CPU process never loads Triton);
-- CPU tensors -> the fused C++ kernels (``kernels.cpu``, built once per
+- CPU tensors -> the fused C++ kernels (``tandem_kernels.cpu``, built once per
   machine) when they are available;
-- otherwise -> ``kernels.reference``, the plain-torch twin of every op that is
+- otherwise -> ``tandem_kernels.reference``, the plain-torch twin of every op that is
   also the test oracle.
 
 Contracts are the reference's; the fast versions check shapes, strides and
@@ -22,15 +22,15 @@ from typing import Optional
 
 import torch
 
-from kernels import cpu, reference
-from kernels.reference import (AttentionPlan, VarlenPlan, kv_cache_shape, plan_varlen,  # noqa: F401
+from tandem_kernels import cpu, reference
+from tandem_kernels.reference import (AttentionPlan, VarlenPlan, kv_cache_shape, plan_varlen,  # noqa: F401
                                rotary_cos_sin)
 
 _fused_cpu: list[bool] = []  # [cpu.available()], decided on first use
 
 
 def _triton(module: str):
-    return importlib.import_module(f"kernels.{module}")  # sys.modules after the first call
+    return importlib.import_module(f"tandem_kernels.{module}")  # sys.modules after the first call
 
 
 def _cpu_fast(x: torch.Tensor) -> bool:

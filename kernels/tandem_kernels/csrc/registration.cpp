@@ -1,5 +1,5 @@
 // Every op of torch.ops.tandem_cpu: its schema, and the C++ function (ops.h) that runs it on CPU
-// tensors. kernels/cpu.py loads the library this file is linked into and calls the ops by name.
+// tensors. kernels/tandem_kernels/cpu.py loads the library this file is linked into and calls the ops by name.
 
 #include <torch/library.h>
 

@@ -1,6 +1,6 @@
 """Triton KV-cache write by slot mapping: one program per token copies all its KV heads.
 
-Layout as in kernels/reference.py; slot = block_id * block_size + row. The kernels
+Layout as in kernels/tandem_kernels/reference.py; slot = block_id * block_size + row. The kernels
 are stride-driven: ``cache_geometry`` is the one place that reads the layout.
 """
 
@@ -13,7 +13,7 @@ import triton.language as tl
 
 def cache_geometry(cache: torch.Tensor) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
     """((num_blocks, block_size, num_kv_heads, head_dim), (block, row, head) strides) of a
-    cache laid out as ``kernels.kv_cache_shape`` says, [num_blocks, num_kv_heads, block_size,
+    cache laid out as ``tandem_kernels.ops.kv_cache_shape`` says, [num_blocks, num_kv_heads, block_size,
     head_dim] (its head_dim stride must be 1)."""
     if cache.dim() != 4 or cache.stride(-1) != 1:
         raise ValueError(f"a KV cache is 4-D with a contiguous head_dim; got {tuple(cache.shape)}")

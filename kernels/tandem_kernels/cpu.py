@@ -11,7 +11,7 @@ rebuilds. Concurrent builders each write a temporary file and rename it into pla
 calls it at start-up, so no request ever waits for a build.
 
 When no compiler is found or the build fails, a warning says why and every op
-falls back to ``kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0``
+falls back to ``tandem_kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0``
 turns the fused kernels off on purpose (for comparisons).
 
 The launchers below allocate outputs and return what the reference returns;

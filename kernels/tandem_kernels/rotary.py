@@ -52,7 +52,7 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_q, stride_k,
 def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  cos_sin_cache: torch.Tensor, head_dim: int, is_neox: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``kernels.reference.apply_rotary``, but rotates query and key
+    """Same contract as ``tandem_kernels.reference.apply_rotary``, but rotates query and key
     in place (any row stride, e.g. views into a fused QKV output) and returns them.
 
     positions: [num_tokens]; query: [num_tokens, num_heads * head_dim];

@@ -1,8 +1,8 @@
 // What every CPU kernel file shares: torch's headers, the dtype dispatch macros, the CPU check,
 // and the cache-line prefetch that attention and the int8 linears use.
 //
-// Tandem's CPU kernels are the fused twins of kernels/reference.py for CPU tensors, built once per
-// machine by kernels/cpu.py (g++ -O3 -march=native, cached) into one library and registered as
+// Tandem's CPU kernels are the fused twins of kernels/tandem_kernels/reference.py for CPU tensors, built once per
+// machine by kernels/tandem_kernels/cpu.py (g++ -O3 -march=native, cached) into one library and registered as
 // torch.ops.tandem_cpu.* (registration.cpp). One file per op family:
 //     simd.h                   vector load / store / convert helpers, the polynomial exp
 //     attention.cpp            paged attention, the KV-cache write, the whole attention block

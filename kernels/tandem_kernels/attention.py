@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cache_ops import cache_geometry
-from kernels.reference import VarlenPlan
+from tandem_kernels.cache_ops import cache_geometry
+from tandem_kernels.reference import VarlenPlan
 
 # The interpreter's tl.dot mishandles bf16 operands; there the kernel upcasts them
 # first. bf16 x bf16 products are exact in fp32, so this computes what tensor cores do.
@@ -176,11 +176,11 @@ def split_layout(plan: VarlenPlan, num_kv_heads: int, device: torch.device) -> t
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, plan: VarlenPlan,
                     scale: float) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_attention`` (``key``/``value`` are
+    """Same contract as ``tandem_kernels.reference.paged_attention`` (``key``/``value`` are
     read back from the caches, where this step's were written).
 
     query: [num_tokens, num_heads, head_dim], last dim contiguous;
-    k_cache, v_cache: the caches (kernels/reference.py's layout), query's dtype, equal strides. Returns [num_tokens, num_heads, head_dim].
+    k_cache, v_cache: the caches (kernels/tandem_kernels/reference.py's layout), query's dtype, equal strides. Returns [num_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
     (_, block_size, num_kv_heads, cache_dim), cache_strides = cache_geometry(k_cache)
