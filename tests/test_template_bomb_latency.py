@@ -57,7 +57,10 @@ def rss_bytes(pid: int) -> int:
 def descendants(pid: int) -> list[int]:
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(child) for child in (task / "children").read_text().split()]
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
     return children
 
 

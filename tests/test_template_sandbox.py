@@ -62,7 +62,11 @@ def template_workers() -> set[int]:
     """The pids of this process's chat template workers."""
     pids = set()
     for task in Path("/proc/self/task").iterdir():
-        for child in (task / "children").read_text().split():
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
+        for child in children:
             try:
                 if b"frontend.template_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
                     pids.add(int(child))
