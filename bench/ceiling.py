@@ -46,7 +46,7 @@ from statistics import median_high
 import torch
 import torch.nn.functional as F
 
-# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+# Run as a script, bench/ is sys.path[0]: the repository's root goes there instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 

@@ -8,7 +8,7 @@ phase, so a run cut short still leaves what it measured:
 
 1. ceilings: device copy GB/s (the 100 % of every bandwidth figure), bf16 matmul TFLOP/s;
 2. kernels: each Triton kernel vs its torch reference (error, µs, % of bandwidth) at
-   (batch, context) = (1, 1k), (1, 8k), (64, 1k), (256, 1k), (256, 4k) (bench/kernels.py);
+   (batch, context) = (1, 1k), (1, 8k), (64, 1k), (256, 1k), (256, 4k) (bench/triton_kernels.py);
 3. logits: engine vs HF transformers on the same seeded fp32 weights, per config
    (max |Δ logprob| over prompt tokens, greedy tokens equal);
 4. graphs: batch-1 decode, eager vs CUDA graphs (tok/s, ratio, same tokens), per config,
@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if __name__ == "__main__":  # run as a script, bench/ is sys.path[0], where bench/kernels.py shadows kernels/
+if __name__ == "__main__":  # run as a script, bench/ is sys.path[0]: the repository's root goes there
     sys.path[0] = str(REPO)
     if "--tiny" in sys.argv:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -225,7 +225,7 @@ def phase_ceilings(plan: Plan, state: dict) -> list[dict]:
 
 
 def phase_kernels(plan: Plan, state: dict) -> list[dict]:
-    from bench import kernels as kbench
+    from bench import triton_kernels as kbench
 
     return kbench.run(plan.tiny, state["bandwidth_gbs"])[1]
 

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+# Run as a script, bench/ is sys.path[0]: the repository's root goes there instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402

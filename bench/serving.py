@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+# Run as a script, bench/ is sys.path[0]: the repository's root goes there instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.prompts import document  # noqa: E402
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 import time
 
-# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+# Run as a script, bench/ is sys.path[0]: the repository's root goes there instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 PARAGRAPHS = [

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not bench/ (bench/kernels.py)
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo's root, not bench/
 
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.messages import grammar_mask  # noqa: E402

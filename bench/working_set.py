@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-# Run as a script, bench/ is sys.path[0], where bench/kernels.py would shadow the kernels package.
+# Run as a script, bench/ is sys.path[0]: the repository's root goes there instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate/up, down (out, in)

@@ -7,8 +7,8 @@ rotary, KV-cache write) run at batch tokens. Bandwidth is the bytes a kernel mus
 move (read + write, no re-reads) over its time, and a fraction of the device's
 copy bandwidth (measured here, or given with --bandwidth-gbs).
 
-    python bench/kernels.py                      # the Llama-3.2-1B shape, bf16, on CUDA
-    python bench/kernels.py --tiny               # CPU, Triton's interpreter, tiny shapes
+    python bench/triton_kernels.py                      # the Llama-3.2-1B shape, bf16, on CUDA
+    python bench/triton_kernels.py --tiny               # CPU, Triton's interpreter, tiny shapes
 
 On CUDA a kernel is timed inside a CUDA graph (no launch overhead); on the CPU
 (interpreter) by wall clock: those numbers only prove the script runs.
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script, bench/ is sys.path[0], where this file shadows kernels/
+if __name__ == "__main__":  # run as a script, bench/ is sys.path[0]: the repository's root goes there
     sys.path[0] = str(Path(__file__).resolve().parents[1])
     if "--tiny" in sys.argv:
         os.environ.setdefault("TRITON_INTERPRET", "1")
