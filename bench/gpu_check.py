@@ -211,7 +211,7 @@ def decode_steps(engine, prompts, num_steps: int):
 # ---- phases ------------------------------------------------------------------------------------
 
 def phase_ceilings(plan: Plan, state: dict) -> list[dict]:
-    from bench.kernels import copy_bandwidth_gbs, time_us
+    from bench.triton_kernels import copy_bandwidth_gbs, time_us
 
     copy = copy_bandwidth_gbs(plan.device, plan.copy_bytes)
     state["bandwidth_gbs"] = copy
