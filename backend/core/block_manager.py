@@ -97,6 +97,7 @@ class BlockManager:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's live block table: appended to while it holds blocks, a new list after a free."""
         return self.req_blocks.get(request_id, [])
 
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:

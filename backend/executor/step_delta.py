@@ -138,7 +138,8 @@ class StepDecoder:
             if d.new_token_ids:
                 m.output_token_ids.extend(d.new_token_ids)
                 m.all_token_ids.extend(d.new_token_ids)
-            del m.block_ids[d.keep_blocks:]
+            if d.keep_blocks < len(m.block_ids):  # rebuilt: a new list (ScheduledRequest.block_ids)
+                m.block_ids = m.block_ids[:d.keep_blocks]
             m.block_ids.extend(d.new_block_ids)
             known_end = d.start_pos + d.num_tokens - len(d.draft_token_ids)
             scheduled.append(ScheduledRequest(

@@ -19,7 +19,9 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step; the last num_draft_tokens are drafts
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: list[int]  # the request's whole block table
+    # The request's whole block table. While it is the same list object it only grows by appending;
+    # a table rebuilt (after a preemption) is a new list (the runner's BlockTables rely on it).
+    block_ids: list[int]
     needs_sample: bool  # this step reaches the last known token: sample the next one
     sampling_params: SamplingParams
     prompt_token_ids: list[int]

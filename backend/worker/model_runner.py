@@ -24,6 +24,7 @@ from backend.models.registry import get_model_class
 from backend.types.config import EngineConfig
 from backend.types.sampling_params import SamplingParams
 from backend.worker import cuda_graphs
+from backend.worker.block_tables import BlockTables
 from backend.worker.draft_acceptance import accept_drafts
 from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
 from backend.worker.penalty_history import PenaltyHistory
@@ -57,6 +58,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.penalty_history: Optional[PenaltyHistory] = None  # made at the first penalized request
+        self.block_tables = BlockTables()  # each running sequence's table, extended step by step
         # Graphs of decode steps (cuda_graphs.py; None: every step eager; always so with enforce_eager).
         # Not captured over several workers: collectives inside a graph are not set up (yet).
         self.graph_cls = (None if config.enforce_eager or self.parallel.world_size > 1
@@ -221,9 +223,7 @@ class ModelRunner:
                     sample_rows.append((s, len(logits_rows), j))
                     logits_rows.append(first + j)
 
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids))
-                                     for s in scheduled], dtype=torch.int64)
+        block_tables = torch.from_numpy(self.block_tables.padded(scheduled))  # [rows, max_blocks]
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
@@ -272,6 +272,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        self.block_tables.release(sched.finished_request_ids)
         if self.penalty_history is not None:
             self.penalty_history.release(sched.finished_request_ids)
         out = ModelRunnerOutput()
