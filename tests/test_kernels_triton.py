@@ -49,6 +49,27 @@ def test_paged_attention_mixed_batch(triton_kernels, dtype, tol, heads, kv_heads
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
 
 
+# Real models' head shapes at the launch configs they get (tandem_kernels.launch_config):
+# wide heads take 32-token KV tiles in prefill, head dim 256 also 32-row tiles and 8-warp decodes.
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [
+    (8, 1, 256),  # Gemma-2B: GQA group 8
+    (4, 1, 128),  # Llama-3.1-8B's group of 4
+    (6, 2, 96),  # Phi-3-mini's head dim, a group of 3
+    (2, 2, 80),  # Phi-2: MHA, head dim padded to 128
+])
+def test_paged_attention_real_head_dims(triton_kernels, dtype, tol, heads, kv_heads, head_dim):
+    attention = triton_kernels[0]
+    shapes = [(9, 1), (0, 7), (70, 19), (40, 1)]
+    b = make_paged_batch(shapes, heads, kv_heads, head_dim, 16, dtype, DEVICE)
+    scale = head_dim ** -0.5
+    got = attention.paged_attention(b.query, b.key, b.value, b.k_cache, b.v_cache, b.varlen_plan(), scale)
+    b_cpu = make_paged_batch(shapes, heads, kv_heads, head_dim, 16, dtype, "cpu")
+    want = R.paged_attention(b_cpu.query, b_cpu.key, b_cpu.value, b_cpu.k_cache, b_cpu.v_cache,
+                             b_cpu.plan(), scale)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype, tol", TOLERANCES)
 def test_split_kv_decode_matches_one_pass(triton_kernels, dtype, tol):
     """Decodes only, contexts cut into 64-token partitions: split count 1, 2 and 4."""
@@ -139,3 +160,67 @@ def test_rotary_in_place_on_qkv_views(triton_kernels, dtype, tol, is_neox, rotar
     torch.testing.assert_close(dq.cpu(), want_q, atol=tol, rtol=tol)
     torch.testing.assert_close(dk.cpu(), want_k, atol=tol, rtol=tol)
     assert torch.equal(dv.cpu(), v)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLERANCES + [(torch.float16, 1e-3)])
+@pytest.mark.parametrize("width", [40, 1536 + 24])  # one column block; several, the last partial
+def test_silu_and_mul(dtype, tol, width):
+    from tandem_kernels import activations
+
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(5, 2 * width, generator=g)).to(dtype)
+    got = activations.silu_and_mul(x.to(DEVICE))
+    assert got.shape == (5, width) and got.dtype == dtype
+    # The kernel rounds once (fp32 product); the reference rounds silu(gate) first.
+    torch.testing.assert_close(got.cpu().float(), R.silu_and_mul(x.float()), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="2 \\* d"):
+        activations.silu_and_mul(x[:, :-1])
+
+
+class _SaysCuda(torch.Tensor):
+    """A CPU tensor that reports itself on CUDA (views and results keep the subclass)."""
+
+    is_cuda = property(lambda self: True)
+    is_cpu = property(lambda self: False)
+
+
+def test_cuda_tensors_never_build_the_cpu_kernels(monkeypatch):
+    """On CUDA tensors silu_and_mul, argmax_rows and qkv_attention go to Triton / torch without
+    asking for the C++ kernels (asking builds them: g++ for tens of seconds, in the first
+    CUDA forward of a server start-up)."""
+    from types import SimpleNamespace
+
+    from tandem_kernels import cpu, ops
+
+    def no_build():
+        raise AssertionError("the CPU kernels were asked for on a CUDA tensor")
+
+    monkeypatch.setattr(ops, "_fused_cpu", [])
+    monkeypatch.setattr(cpu, "available", no_build)
+    launched = []
+
+    def triton_op(name, result):
+        def op(*args, **kwargs):
+            launched.append(name)
+            return result(*args)
+        return op
+
+    fake = {
+        "activations": SimpleNamespace(silu_and_mul=triton_op("silu_and_mul", R.silu_and_mul)),
+        "rotary": SimpleNamespace(apply_rotary=triton_op("apply_rotary", lambda pos, q, k, *_: (q, k))),
+        "cache_ops": SimpleNamespace(write_kv_cache=triton_op("write_kv_cache", lambda *_: None)),
+        "attention": SimpleNamespace(paged_attention=triton_op("paged_attention", lambda q, *_: q.clone())),
+    }
+    monkeypatch.setattr(ops, "_triton", lambda module: fake[module])
+
+    x = torch.randn(3, 8).as_subclass(_SaysCuda)
+    assert x.is_cuda and not x.is_cpu
+    torch.testing.assert_close(ops.silu_and_mul(x).as_subclass(torch.Tensor), R.silu_and_mul(x.as_subclass(torch.Tensor)))
+    assert torch.equal(ops.argmax_rows(x).as_subclass(torch.Tensor), x.as_subclass(torch.Tensor).argmax(-1))
+
+    b = make_paged_batch([(3, 2)], 4, 2, 16, 4)
+    qkv = torch.cat([b.query.flatten(1), b.key.flatten(1), b.value.flatten(1)], 1).as_subclass(_SaysCuda)
+    out = ops.qkv_attention(qkv, torch.tensor([3, 4]), torch.zeros(8, 16), True, b.k_cache, b.v_cache,
+                            b.slot_mapping, b.varlen_plan(), 4, 2, 16, 0.25)
+    assert out.shape == (2, 64)
+    assert launched == ["silu_and_mul", "apply_rotary", "write_kv_cache", "paged_attention"]

@@ -13,7 +13,7 @@ tile is read once for all of them::
     tile row r:  token = tile * BLOCK_Q + r // GROUP,  head = kv_head * GROUP + r % GROUP
     KV token n:  cache slot = block_tables[i, n // block_size] * block_size + n % block_size
 
-It streams K/V in TILE_N-token tiles gathered through the block table, with an
+It streams K/V in TILE-token tiles gathered through the block table, with an
 online softmax (running max and sum, in the exp2 domain). With one split it
 writes the normalized output. Decode batches with long contexts and too few
 (request, KV head) programs to fill the GPU split each context into partitions
@@ -31,15 +31,13 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.cache_ops import cache_geometry
+from tandem_kernels.launch_config import attention_config, kv_splits
 from tandem_kernels.reference import VarlenPlan
 
 # The interpreter's tl.dot mishandles bf16 operands; there the kernel upcasts them
 # first. bf16 x bf16 products are exact in fp32, so this computes what tensor cores do.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
-TILE_N = 64  # KV tokens per inner-loop tile
-MIN_PARTITION = 256  # fewest KV tokens per split worth a second kernel
-MAX_SPLITS = 64
 
 
 @triton.jit
@@ -155,22 +153,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def split_layout(plan: VarlenPlan, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
-    """(num_splits, partition_size) for a plan: split only decode batches whose
-    (request, KV head) programs would leave most SMs idle. Depends on the plan's
-    Python ints alone, so a captured graph and its replays agree."""
-    num_reqs = plan.seq_lens.shape[0]
-    splits = plan.num_splits
-    if splits is None:
-        splits = 1
-        programs = num_reqs * num_kv_heads
-        sms = _num_sms(device)
-        if plan.max_query_len == 1 and programs < sms:
-            splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(plan.max_seq_len, MIN_PARTITION),
-                         MAX_SPLITS)
-    if splits <= 1:
-        return 1, triton.cdiv(plan.max_seq_len, TILE_N) * TILE_N
-    partition = triton.cdiv(triton.cdiv(plan.max_seq_len, splits), TILE_N) * TILE_N
-    return triton.cdiv(plan.max_seq_len, partition), partition
+    """(num_splits, partition_size) for a plan on this device (``launch_config.kv_splits``):
+    the plan's Python ints and the device's SM count alone, so a captured graph and its
+    replays agree."""
+    return kv_splits(plan.seq_lens.shape[0], num_kv_heads, plan.max_query_len, plan.max_seq_len,
+                     _num_sms(device), plan.num_splits)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -203,13 +190,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return out
 
     group = num_heads // num_kv_heads
-    block_q = 1 if plan.max_query_len == 1 else max(1, 64 // group)
-    block_m = max(16, triton.next_power_of_2(block_q * group))
-    tiles_per_req = triton.cdiv(plan.max_query_len, block_q)
+    config = attention_config(head_dim, group, plan.max_query_len)
+    tiles_per_req = triton.cdiv(plan.max_query_len, config.block_q)
     num_splits, partition = split_layout(plan, num_kv_heads, query.device)
     if num_splits > 1 and (plan.max_query_len != 1 or num_tokens != num_reqs):
         raise ValueError("KV splits are for decode batches (one query token per request)")
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     split_acc = split_max = split_sum = out  # unused without splits
     if num_splits > 1:
         split_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
@@ -224,13 +209,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scale * LOG2E, tiles_per_req, partition, num_heads, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *cache_strides, plan.block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE_N, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT=num_splits > 1,
-        UPCAST=INTERPRET and query.dtype != torch.float32,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        GROUP=group, BLOCK_Q=config.block_q, BLOCK_M=config.block_m, TILE=config.tile_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=config.head_dim_pad, SPLIT=num_splits > 1,
+        UPCAST=INTERPRET and query.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, split_acc, split_max, split_sum, plan.seq_lens, partition, num_heads, num_splits,
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=config.head_dim_pad,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
     return out

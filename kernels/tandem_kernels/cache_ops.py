@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.launch_config import heads_config
+
 
 def cache_geometry(cache: torch.Tensor) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
     """((num_blocks, block_size, num_kv_heads, head_dim), (block, row, head) strides) of a
@@ -54,7 +56,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         raise ValueError(f"slot_mapping must be int32/int64 [{num_tokens}]; got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if num_tokens:
+        config = heads_config(num_kv_heads, head_dim)
         _write_kv_kernel[(num_tokens,)](
             key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1),
             value.stride(0), value.stride(1), num_kv_heads, *strides, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-            HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim))
+            HEADS_PAD=config.heads_pad, DIM_PAD=config.width_pad, num_warps=config.num_warps)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.launch_config import row_config
+
 
 @triton.jit
 def _rms_norm_kernel(out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr, eps, hidden,
@@ -45,13 +47,13 @@ def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else None
     if num_tokens:
-        block = triton.next_power_of_2(hidden)
+        config = row_config(hidden)
         _rms_norm_kernel[(num_tokens,)](
             out, residual_out if residual is not None else out, x,
             residual if residual is not None else x, weight, eps, hidden,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual is not None else 0,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            HAS_RESIDUAL=residual is not None, BLOCK=config.block, num_warps=config.num_warps)
     return out, residual_out
 
 

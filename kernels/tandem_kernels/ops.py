@@ -4,7 +4,8 @@ This is the one place that dispatches by device; models call these functions
 and nothing else:
 
 - CUDA tensors -> the Triton kernels (``attention``, ``cache_ops``, ``norms``,
-  ``rotary``: imported on first use, so a CPU process never loads Triton);
+  ``rotary``, ``activations``: imported on first use, so a CPU process never loads Triton),
+  never the C++ CPU kernels (``_cpu_fast`` checks the device before it builds them);
 - CPU tensors -> the fused C++ kernels (``tandem_kernels.cpu``, built once per
   machine) when they are available;
 - otherwise -> ``tandem_kernels.reference``, the plain-torch twin of every op that is
@@ -34,9 +35,13 @@ def _triton(module: str):
 
 
 def _cpu_fast(x: torch.Tensor) -> bool:
+    """Whether x goes to the fused C++ kernels. The device is checked first: asking
+    ``cpu.available()`` builds them (g++, tens of seconds), which a CUDA process must never do."""
+    if not x.is_cpu:
+        return False
     if not _fused_cpu:
         _fused_cpu.append(cpu.available())
-    return _fused_cpu[0] and x.is_cpu
+    return _fused_cpu[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,13 +73,18 @@ def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * d] = gate | up -> [num_tokens, d]."""
+    if x.is_cuda:
+        return _triton("activations").silu_and_mul(x)
     if _cpu_fast(x):
         return cpu.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, n] -> [rows] int64: each row's first maximum (greedy sampling's token IDs)."""
+    """x [rows, n] -> [rows] int64: each row's first maximum (greedy sampling's token IDs).
+    On CUDA torch's own reduction."""
+    if x.is_cuda:
+        return reference.argmax_rows(x)
     if _cpu_fast(x) and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1:
         return cpu.argmax_rows(x)
     return reference.argmax_rows(x)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.launch_config import heads_config
+
 
 @triton.jit
 def _rotate_heads(x_ptr, num_heads, head_dim, cos, sin, pairs, pair_ok,
@@ -70,9 +72,9 @@ def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     if num_tokens:
         num_q_heads, num_k_heads = query.shape[1] // head_dim, key.shape[1] // head_dim
         half = rotary_dim // 2
+        q_config, k_config = heads_config(num_q_heads, half), heads_config(num_k_heads, half)
         _rotary_kernel[(num_tokens,)](
             query, key, positions, cos_sin_cache, query.stride(0), key.stride(0), cos_sin_cache.stride(0),
-            num_q_heads, num_k_heads, head_dim,
-            Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox)
+            num_q_heads, num_k_heads, head_dim, Q_HEADS_PAD=q_config.heads_pad, K_HEADS_PAD=k_config.heads_pad,
+            HALF=half, HALF_PAD=q_config.width_pad, NEOX=is_neox, num_warps=q_config.num_warps)
     return query, key

@@ -1,0 +1,128 @@
+"""Launch parameters of every Triton kernel: pure functions of shapes (no device query, no state).
+
+The launchers (``attention``, ``cache_ops``, ``norms``, ``rotary``, ``activations``) take their
+block sizes, warp and stage counts from here and nowhere else, and CI's compile test
+(``tandem_kernels.compile_probe``) runs those same launchers, so the specializations compiled
+for sm_80 / sm_90a / sm_100a without a GPU are the ones a GPU runs. Every value depends only
+on Python ints a CUDA graph freezes at capture, so replays agree with the capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One paged-attention specialization (see ``tandem_kernels.attention``)."""
+
+    block_q: int  # query tokens per program
+    block_m: int  # tile rows: block_q tokens x the GQA group, a power of two >= 16 (tl.dot's minimum)
+    tile_n: int  # KV tokens per inner-loop step
+    head_dim_pad: int  # head_dim padded to a power of two (tl.arange)
+    num_warps: int
+    num_stages: int
+
+
+# Query rows (tokens x GQA group) a prefill program aims for: one Hopper warpgroup MMA is 64 rows.
+PREFILL_ROWS = 64
+
+
+def attention_config(head_dim: int, group: int, max_query_len: int) -> AttentionConfig:
+    """Decode steps (every request one query token) pack the GQA group into one tile
+    (block_q = 1); steps with longer queries pack as many tokens as fit PREFILL_ROWS rows.
+
+    Chosen from CI's compile table (bench/kernel_compile_table.py; registers and spills
+    per target), with no spills on sm_80, sm_90a or sm_100a for head dims up to 256:
+
+    - decode: 16-row tiles, 64-token KV tiles, 4 warps (71-112 registers at head dims 64-128);
+      at head dim 256 8 warps halve the per-thread share of the 16 x 256 accumulator
+      (189 -> 109 registers on sm_90a).
+    - prefill, head dim <= 64: 64 x 64 tiles on 4 warps (one warpgroup, wgmma on sm_90a).
+    - prefill, head dim 65-128 (80 and 96 pad to 128): 32-token KV tiles; 64-token ones take
+      217 registers on sm_90a and spill on sm_80 (255 registers), 8 warps spill at 80/96 on sm_80.
+    - prefill, head dim 256: 32 x 32 tiles; 64 rows spill on sm_90a (255 registers, 164 KB
+      shared) and, with 8 warps, still on sm_100a.
+    """
+    if group < 1 or head_dim < 1 or max_query_len < 1:
+        raise ValueError(f"attention_config({head_dim}, {group}, {max_query_len}): all must be >= 1")
+    head_dim_pad = max(16, next_power_of_2(head_dim))
+    wide = head_dim_pad >= 256
+    if max_query_len == 1:
+        block_q, tile_n, num_warps, num_stages = 1, 64, 8 if wide else 4, 3
+    else:
+        rows = PREFILL_ROWS // 2 if wide else PREFILL_ROWS
+        block_q = max(1, rows // group)
+        tile_n = 64 if head_dim_pad <= 64 else 32
+        num_warps, num_stages = 4, 2 if wide else 3
+    block_m = max(16, next_power_of_2(block_q * group))
+    return AttentionConfig(block_q=block_q, block_m=block_m, tile_n=tile_n, head_dim_pad=head_dim_pad,
+                           num_warps=num_warps, num_stages=num_stages)
+
+
+PARTITION_ALIGN = 64  # split-KV partitions are multiples of every KV tile size
+MIN_PARTITION = 256  # fewest KV tokens per split worth a second kernel
+MAX_SPLITS = 64
+
+
+def kv_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int,
+              num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, partition_size): split only decode batches whose (request, KV head)
+    programs would leave most of the num_sms SMs idle (num_splits, when given, overrides the
+    count). Each split covers partition_size tokens, a multiple of PARTITION_ALIGN."""
+    splits = num_splits
+    if splits is None:
+        splits = 1
+        programs = num_reqs * num_kv_heads
+        if max_query_len == 1 and programs < num_sms:
+            splits = min(cdiv(2 * num_sms, programs), cdiv(max_seq_len, MIN_PARTITION), MAX_SPLITS)
+    if splits <= 1:
+        return 1, cdiv(max_seq_len, PARTITION_ALIGN) * PARTITION_ALIGN
+    partition = cdiv(cdiv(max_seq_len, splits), PARTITION_ALIGN) * PARTITION_ALIGN
+    return cdiv(max_seq_len, partition), partition
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """A row-wise kernel (one program per token): a power-of-two block of columns."""
+
+    block: int
+    num_warps: int
+
+
+def row_config(width: int) -> RowConfig:
+    """RMSNorm and friends: the whole row in one block, ~8 elements a thread, 1..16 warps."""
+    block = next_power_of_2(max(1, width))
+    return RowConfig(block=block, num_warps=min(16, max(1, block // 256)))
+
+
+# silu_and_mul: each program handles this many output columns of one token.
+ACTIVATION_BLOCK = 1024
+
+
+def activation_config(width: int) -> RowConfig:
+    """silu_and_mul over [tokens, 2 * width]: column blocks of at most ACTIVATION_BLOCK."""
+    block = min(ACTIVATION_BLOCK, next_power_of_2(max(1, width)))
+    return RowConfig(block=block, num_warps=min(4, max(1, block // 256)))
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    """A per-token kernel over [heads, width] (rotary, KV-cache writes): both padded to powers of two."""
+
+    heads_pad: int
+    width_pad: int
+    num_warps: int
+
+
+def heads_config(num_heads: int, width: int) -> HeadsConfig:
+    """4 warps, Triton's default (these kernels move a few KB a token; not tuned on a GPU yet)."""
+    return HeadsConfig(heads_pad=next_power_of_2(num_heads), width_pad=next_power_of_2(width), num_warps=4)
