@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional
 
 from backend.models.conversion import announce, build_once, convert_gguf_once, gguf_target
 from backend.types.errors import ModelNotFoundError
+from backend.types.startup_log import log_phase
 
 if TYPE_CHECKING:  # torch and transformers load only when a model does
     import torch
@@ -37,12 +40,20 @@ HUB_NON_WEIGHT_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"
 SAFETENSORS_PATTERN = "*.safetensors"
 PYTORCH_BIN_PATTERN = "pytorch_model*.bin"
 
+logger = logging.getLogger(__name__)
 
 
 def resolve_model(model: Optional[str], cache_dir: Path, revision: Optional[str] = None) -> Path:
     """Return a local Hugging Face-format directory (config.json, weights, tokenizer files incl.
-    chat template) for ``model``. Raises ``ModelNotFoundError`` naming what is missing."""
-    cache_dir = Path(cache_dir).expanduser()
+    chat template) for ``model``. Raises ``ModelNotFoundError`` naming what is missing. Logs the
+    ``model`` start-up phase (backend/types/startup_log.py)."""
+    start = time.monotonic()
+    path = _resolve_model(model, Path(cache_dir).expanduser(), revision)
+    log_phase(logger, "model", f"{model or 'the default model'} in {path}", time.monotonic() - start)
+    return path
+
+
+def _resolve_model(model: Optional[str], cache_dir: Path, revision: Optional[str]) -> Path:
     if model is None:
         from backend.models.default_model import default_model_dir
 
