@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
+import time
 from typing import Optional
 
 import torch
 
+from tandem_kernels import ops as kernels
 from backend.distributed import destroy_distributed, init_distributed
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import SchedulerOutput
 from backend.types.config import EngineConfig
+from backend.types.startup_log import log_phase
 from backend.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -44,15 +50,35 @@ class Worker:
                              distributed_init_method, self.device)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.device)
+        self._kv_sizing_seconds = 0.0  # determine_num_blocks' time, reported with the KV cache's
+
+    # The start-up phases (backend/types/startup_log.py) are timed here, around the runner's calls;
+    # rank 0 speaks for every worker.
 
     def load_model(self) -> None:
+        if self.device.type == "cpu":
+            kernels.cpu.available()  # built or loaded now, so its phase line is apart from the weights'
+        start = time.monotonic()
         self.runner.load_model()
+        if self.rank == 0:
+            log_phase(logger, "weights", f"{self.config.model_path} on {self.device.type} in "
+                      f"{self.config.torch_dtype_name}", time.monotonic() - start)
 
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+        start = time.monotonic()
+        num_blocks = self.runner.determine_num_blocks()
+        self._kv_sizing_seconds = time.monotonic() - start
+        return num_blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        start = time.monotonic()
         self.runner.init_kv_cache(num_blocks)
+        if self.rank == 0:  # the decode graphs captured in there log their own phase
+            capture_seconds = getattr(self.runner.graphs, "capture_seconds", 0.0)
+            cache_bytes = sum(t.numel() * t.element_size() for kv in self.runner.kv_caches for t in kv)
+            log_phase(logger, "KV cache", f"{num_blocks} blocks of {self.config.block_size} tokens, "
+                      f"{cache_bytes / 2**30:.2f} GiB, sized and allocated",
+                      self._kv_sizing_seconds + time.monotonic() - start - capture_seconds)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
