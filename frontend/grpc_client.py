@@ -150,16 +150,19 @@ def position_logprobs_from_proto(position: engine_pb2.PositionLogprobs) -> Posit
 
 
 def output_from_response(request_id: str, response: engine_pb2.GenerateResponse) -> EngineOutput:
+    """One response as an ``EngineOutput``. Runs once per token of every stream: the optional
+    parts (logprobs, a stop token, prompt logprobs) are converted only when present."""
+    new_logprobs = response.new_logprobs
     prompt_logprobs = None
     if response.HasField("prompt_logprobs"):
         prompt_logprobs = [None] + [position_logprobs_from_proto(p) for p in response.prompt_logprobs.positions]
+    finish_reason = _FINISH_REASON_FROM_PROTO[response.finish_reason] if response.finish_reason else None
     return EngineOutput(
-        request_id=request_id, index=response.index, new_token_ids=list(response.new_token_ids),
-        new_logprobs=[position_logprobs_from_proto(p) for p in response.new_logprobs] or None,
-        finish_reason=_FINISH_REASON_FROM_PROTO[response.finish_reason],
-        stop_reason=response.stop_token_id if response.HasField("stop_token_id") else None,
-        num_prompt_tokens=response.num_prompt_tokens, num_cached_tokens=response.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs)
+        request_id, response.index, list(response.new_token_ids),
+        [position_logprobs_from_proto(p) for p in new_logprobs] if new_logprobs else None,
+        finish_reason,
+        response.stop_token_id if response.HasField("stop_token_id") else None,
+        response.num_prompt_tokens, response.num_cached_tokens, prompt_logprobs)
 
 
 # ---- the client ----------------------------------------------------------------------------

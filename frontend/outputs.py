@@ -58,7 +58,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
-@dataclass
+@dataclass(slots=True)
 class TextDelta:
     """What one ``EngineOutput`` added to a sequence, ready to stream."""
 
@@ -93,12 +93,15 @@ class SequenceDecoder:
         self.index = index
         self._tokenizer = tokenizer
         self._params = params
+        self._min_tokens = params.min_tokens
+        self._show_stop = params.include_stop_str_in_output
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens)
         self._stops = StopStringMatcher(params.stop or [], params.include_stop_str_in_output)
-        self.text = ""
+        self._has_stop_strings = bool(params.stop)
+        self._pieces: list[str] = []  # the text so far, joined only when asked (``text``)
         self.token_ids: list[int] = []
         self.logprobs: Optional[list[PositionLogprobs]] = [] if params.wants_logprobs else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.wants_logprobs else None
@@ -109,49 +112,74 @@ class SequenceDecoder:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        """The sequence's text so far."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
     def update(self, delta: EngineOutput) -> TextDelta:
-        """Apply one engine delta; deltas after the sequence finished add nothing."""
-        if self.finished:
+        """Apply one engine delta; deltas after the sequence finished add nothing.
+
+        Per token: one detokenizer step and, with stop strings, one matcher step;
+        nothing here grows with the sequence's length.
+        """
+        if self.finish_reason is not None:
             return TextDelta("", [], [] if self.logprobs is not None else None)
         new_ids = delta.new_token_ids
         new_logprobs = delta.new_logprobs
         if self.logprobs is not None and (new_logprobs is None or len(new_logprobs) != len(new_ids)):
             raise ValueError(f"sequence {self.index}: expected logprobs for each of {len(new_ids)} new tokens, "
                              f"got {None if new_logprobs is None else len(new_logprobs)}")
+        finish = delta.finish_reason
         # The engine's stop token (EOS / stop_token_ids) is the delta's last token.
-        hide_last = delta.finish_reason == FinishReason.STOP and not self._params.include_stop_str_in_output
+        hide_last = finish is not None and finish == FinishReason.STOP and not self._show_stop
+        num_shown = len(new_ids) - 1 if hide_last and new_ids else len(new_ids)
+        stops = self._stops
+        if self._has_stop_strings:
+            kept, text = self._push_until_stop(new_ids, num_shown)
+        else:  # no stop string can end it: every token is kept, the text is the detokenizer's
+            kept = len(new_ids)
+            text = self._detokenizer.push(new_ids if num_shown == kept else new_ids[:num_shown]) if num_shown else ""
+
+        token_ids = list(new_ids) if kept == len(new_ids) else new_ids[:kept]
+        text_delta = TextDelta(text, token_ids, None)
+        if self.logprobs is not None:
+            text_delta.logprobs = [with_decoded_tokens(self._tokenizer, p) for p in new_logprobs[:kept]]
+            self.logprobs.extend(text_delta.logprobs)
+            self.cumulative_logprob += sum(_sampled_logprob(p, t) for p, t in zip(new_logprobs, token_ids))
+        self.token_ids.extend(token_ids)
+
+        if stops.stop_string is None and finish is not None:
+            text += stops.push(self._detokenizer.flush(), len(self.token_ids) > self._min_tokens)
+            text += stops.flush()
+            text_delta.text = text
+        if stops.stop_string is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP.value, stops.stop_string
+            text_delta.stopped_by_string = True
+        elif finish is not None:
+            self.finish_reason, self.stop_reason = FinishReason(finish).value, delta.stop_reason
+        text_delta.finish_reason, text_delta.stop_reason = self.finish_reason, self.stop_reason
+        if text:
+            self._pieces.append(text)
+        return text_delta
+
+    def _push_until_stop(self, new_ids: list[int], num_shown: int) -> tuple[int, str]:
+        """Detokenize and stop-check token by token (a stop string drops the tokens after it);
+        (how many tokens are kept, the text they release)."""
         kept = 0
         out: list[str] = []
         for i, token_id in enumerate(new_ids):
             kept += 1
-            if hide_last and i == len(new_ids) - 1:
+            if i == num_shown:  # the hidden stop token
                 break
             piece = self._detokenizer.push([token_id])
             # vLLM checks stop strings only once more than min_tokens tokens exist.
-            can_stop = len(self.token_ids) + kept > self._params.min_tokens
-            out.append(self._stops.push(piece, can_stop))
+            out.append(self._stops.push(piece, len(self.token_ids) + kept > self._min_tokens))
             if self._stops.stop_string is not None:
                 break
-
-        text_delta = TextDelta("", list(new_ids[:kept]), None)
-        if self.logprobs is not None:
-            text_delta.logprobs = [with_decoded_tokens(self._tokenizer, p) for p in new_logprobs[:kept]]
-            self.logprobs.extend(text_delta.logprobs)
-            self.cumulative_logprob += sum(_sampled_logprob(p, t) for p, t in zip(new_logprobs, new_ids[:kept]))
-        self.token_ids.extend(text_delta.token_ids)
-
-        if self._stops.stop_string is None and delta.finished:
-            out.append(self._stops.push(self._detokenizer.flush(), len(self.token_ids) > self._params.min_tokens))
-            out.append(self._stops.flush())
-        if self._stops.stop_string is not None:
-            self.finish_reason, self.stop_reason = FinishReason.STOP.value, self._stops.stop_string
-            text_delta.stopped_by_string = True
-        elif delta.finished:
-            self.finish_reason, self.stop_reason = FinishReason(delta.finish_reason).value, delta.stop_reason
-        text_delta.text = "".join(out)
-        text_delta.finish_reason, text_delta.stop_reason = self.finish_reason, self.stop_reason
-        self.text += text_delta.text
-        return text_delta
+        return kept, "".join(out)
 
     def output(self) -> CompletionOutput:
         """A snapshot of the sequence so far."""

@@ -12,6 +12,7 @@ SentencePiece "▁Hello" after a prompt reads " Hello", not "Hello".
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -164,9 +165,23 @@ def _normalize_message(message: Any, position: int) -> dict:
 def decode_token(tokenizer: PreTrainedTokenizerFast, token_id: int) -> str:
     """The text of one token on its own, special tokens included (vLLM's ``decoded_token``).
 
-    A token holding part of a multi-byte character decodes to U+FFFD here.
+    A token holding part of a multi-byte character decodes to U+FFFD here. Logprobs ask
+    for it for every alternative of every token, so each tokenizer keeps the texts it
+    has decoded (at most one per vocabulary entry).
     """
-    return tokenizer.backend_tokenizer.decode([token_id], skip_special_tokens=False)
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        texts = _TOKEN_TEXTS[tokenizer] = {}
+    text = texts.get(token_id)
+    if text is None:
+        text = tokenizer.backend_tokenizer.decode([token_id], skip_special_tokens=False)
+        if len(texts) < _MAX_CACHED_TOKEN_TEXTS:  # IDs beyond the vocabulary must not grow it for ever
+            texts[token_id] = text
+    return text
+
+
+_TOKEN_TEXTS: "weakref.WeakKeyDictionary[PreTrainedTokenizerFast, dict[int, str]]" = weakref.WeakKeyDictionary()
+_MAX_CACHED_TOKEN_TEXTS = 1 << 18  # above any vocabulary served today (~256k)
 
 
 class IncrementalDetokenizer:
@@ -201,17 +216,31 @@ class IncrementalDetokenizer:
             self._added_token_text = {
                 token_id: added.content for token_id, added in self._backend.get_added_tokens_decoder().items()}
         self.token_ids: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []  # the text released so far, joined only when asked (``text``)
         # Prime on the prompt's tail; what it decodes to is the prompt's, not ours.
         for token_id in _prompt_context(self._backend, prompt_token_ids, skip_special_tokens):
             self._step(token_id)
 
+    @property
+    def text(self) -> str:
+        """The text released so far (every ``push`` and ``flush`` return, joined)."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
     def push(self, new_token_ids: list[int]) -> str:
-        """Add generated tokens; return the text they completed (may be "")."""
-        pieces = [self._step(token_id) for token_id in new_token_ids]
+        """Add generated tokens; return the text they completed (may be "").
+
+        O(new tokens): each token is one ``DecodeStream`` step over the last
+        released chunk and the tokens held back, never the whole sequence.
+        """
+        if len(new_token_ids) == 1:  # the common case: one token per engine step
+            delta = self._step(new_token_ids[0])
+        else:
+            delta = "".join([self._step(token_id) for token_id in new_token_ids])
         self.token_ids.extend(new_token_ids)
-        delta = "".join(pieces)
-        self.text += delta
+        if delta:
+            self._pieces.append(delta)
         return delta
 
     def flush(self) -> str:
@@ -226,7 +255,8 @@ class IncrementalDetokenizer:
         whole = self._decode(self._chunk_ids + self._pending_ids)
         tail = whole[len(head):] if whole.startswith(head) else self._decode(self._pending_ids)
         self._chunk_ids, self._pending_ids = self._chunk_ids + self._pending_ids, []
-        self.text += tail
+        if tail:
+            self._pieces.append(tail)
         return tail
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,10 +20,10 @@ from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import StructuredOutputsParams
 from frontend import protocol as P
 from frontend.serving.base import EngineRun, Event, OpenAIServing, prepend, unless_disconnected
-from frontend.serving.logprobs import chat_logprobs, prompt_logprobs_json
+from frontend.serving.logprobs import chat_logprobs, chat_logprobs_dict, prompt_logprobs_json
 from frontend.serving.prompts import Prompt
 from frontend.serving.sampling import max_tokens_for, sampling_params
-from frontend.serving.sse import sse_event
+from frontend.serving.sse import ChunkFrames, json_or_null, json_text, sse_event
 from frontend.tool_calls import (ToolReply, check_tools, constrained_tool_schema, messages_for_template,
                                  template_supports_tools)
 
@@ -115,6 +115,11 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         as_ids = request.return_tokens_as_token_ids
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        num_top = request.top_logprobs or 0
+        if request.logprob_token_ids is not None:
+            num_top = len(request.logprob_token_ids) + 1
+        frames = ChunkFrames({"id": base_id, "object": "chat.completion.chunk", "created": created,
+                              "model": self.model_name}, '"usage":null,"prompt_token_ids":null')
 
         def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None,
                   prompt_token_ids: Optional[list[int]] = None) -> str:
@@ -149,15 +154,30 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason = reply.finish_reason_with_calls
             if not content and not pieces and not delta.finished and not (request.logprobs and delta.token_ids):
                 continue
+            token_ids = delta.token_ids if request.return_token_ids else None
+            if not pieces and not continuous:  # the common chunk: no model objects (frontend.serving.sse)
+                logprobs_json = "null"
+                if request.logprobs:
+                    logprobs_json = json_text(chat_logprobs_dict(self.tokenizer, delta.token_ids, delta.logprobs,
+                                                                 num_top, as_ids))
+                yield frames.frame(_choice_json(index, content, logprobs_json, finish_reason, delta.stop_reason,
+                                                token_ids))
+                continue
             logprobs = None
             if request.logprobs:
-                num_top = request.top_logprobs or 0
-                if request.logprob_token_ids is not None:
-                    num_top = len(request.logprob_token_ids) + 1
                 logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, num_top, as_ids)
             yield chunk([P.ChatCompletionStreamChoice(
                 index=index, delta=P.DeltaMessage(content=content or None, tool_calls=tool_deltas(pieces)),
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason,
-                token_ids=delta.token_ids if request.return_token_ids else None)])
+                token_ids=token_ids)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], self._usage(runs))
+
+
+def _choice_json(index: int, content: str, logprobs_json: str, finish_reason: Optional[str],
+                 stop_reason: Union[int, str, None], token_ids: Optional[list[int]]) -> str:
+    """A ``P.ChatCompletionStreamChoice`` whose delta holds only content (or nothing), as JSON."""
+    delta = f'{{"content":{json_text(content)}}}' if content else "{}"  # the model leaves out an empty one
+    return (f'{{"index":{index},"delta":{delta},"logprobs":{logprobs_json},'
+            f'"finish_reason":{json_or_null(finish_reason)},"stop_reason":{json_or_null(stop_reason)},'
+            f'"token_ids":{json_or_null(token_ids)}}}')

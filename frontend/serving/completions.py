@@ -19,9 +19,9 @@ from backend.types.errors import InvalidRequestError
 from backend.types.outputs import PositionLogprobs
 from frontend import protocol as P
 from frontend.serving.base import EngineRun, Event, OpenAIServing, prepend, unless_disconnected
-from frontend.serving.logprobs import completion_logprobs, prompt_logprobs_json
+from frontend.serving.logprobs import completion_logprobs, completion_logprobs_dict, prompt_logprobs_json
 from frontend.serving.sampling import max_tokens_for, sampling_params
-from frontend.serving.sse import sse_event
+from frontend.serving.sse import ChunkFrames, json_or_null, json_text, sse_event
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -103,6 +103,8 @@ class OpenAIServingCompletion(OpenAIServing):
         streamed_chars: dict[int, int] = {}  # vLLM's text_offset base of each choice's next chunk
         as_ids = request.return_tokens_as_token_ids
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        frames = ChunkFrames({"id": base_id, "object": "text_completion", "created": created,
+                              "model": self.model_name}, '"usage":null')
         async for run, seq_index, delta in prepend(first, events):
             if seq_index >= request.n:  # beam search: only the best n beams are returned
                 continue
@@ -121,17 +123,31 @@ class OpenAIServingCompletion(OpenAIServing):
                     positions = self._echo_logprobs(run) + positions
             if not text and not delta.finished and not (positions and token_ids):
                 continue
+            wants_logprobs = request.logprobs is not None or request.logprob_token_ids is not None
+            offset = streamed_chars.get(choice, 0)
+            streamed_chars[choice] = offset + len(text)
+            stop_reason = None if run.echo_only else delta.stop_reason
+            chunk_token_ids = ((delta.token_ids if not run.echo_only else []) if request.return_token_ids
+                               else None)
+            first_extras = first_of_choice and (request.return_token_ids or request.prompt_logprobs is not None)
+            if not continuous and not first_extras:  # the common chunk: no model objects (frontend.serving.sse)
+                logprobs_json = "null"
+                if wants_logprobs:
+                    logprobs_json = json_text(completion_logprobs_dict(self.tokenizer, token_ids, positions, offset,
+                                                                       as_ids))
+                yield frames.frame(
+                    f'{{"index":{choice},"text":{json_text(text)},"logprobs":{logprobs_json},'
+                    f'"finish_reason":{json_or_null(finish_reason)},"stop_reason":{json_or_null(stop_reason)},'
+                    f'"token_ids":{json_or_null(chunk_token_ids)},"prompt_logprobs":null,"prompt_token_ids":null}}')
+                continue
             logprobs = None
-            if request.logprobs is not None or request.logprob_token_ids is not None:
-                logprobs = completion_logprobs(self.tokenizer, token_ids, positions, streamed_chars.get(choice, 0),
-                                               as_ids)
-            streamed_chars[choice] = streamed_chars.get(choice, 0) + len(text)
+            if wants_logprobs:
+                logprobs = completion_logprobs(self.tokenizer, token_ids, positions, offset, as_ids)
             yield sse_event(P.CompletionStreamResponse(
                 id=base_id, created=created, model=self.model_name,
                 choices=[P.CompletionResponseChoice(
                     index=choice, text=text, logprobs=logprobs, finish_reason=finish_reason,
-                    stop_reason=None if run.echo_only else delta.stop_reason,
-                    token_ids=(delta.token_ids if not run.echo_only else []) if request.return_token_ids else None,
+                    stop_reason=stop_reason, token_ids=chunk_token_ids,
                     prompt_token_ids=run.prompt.token_ids if request.return_token_ids and first_of_choice else None,
                     prompt_logprobs=prompt_logprobs_json(run.builder.prompt_logprobs)
                     if request.prompt_logprobs is not None and first_of_choice else None)],
