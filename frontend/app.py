@@ -1,7 +1,9 @@
 """The HTTP app: the routes, each delegating to its endpoint in ``frontend.serving``.
 
 Routes: /v1/completions, /v1/chat/completions, /invocations, /v1/models,
-/tokenize, /detokenize, /tokenizer_info (behind ``--api-key`` when set), and
+/tokenize, /detokenize, /tokenizer_info, and Anthropic's /v1/messages and
+/v1/messages/count_tokens, whose errors take Anthropic's shape (all behind
+``--api-key`` when set), and
 /health, /load, /metrics, /version, /docs, /openapi.json (always open:
 ``OPEN_ROUTES``). ``create_app`` also installs the one mapping of errors to
 OpenAI error JSON (``frontend.serving.errors``) and the edge's middleware
@@ -28,6 +30,9 @@ from frontend.engine_client import EngineClient
 from frontend.http_protocol import head_deadline_protocol
 from frontend.middleware import (AdmissionMiddleware, AuthenticationMiddleware, BodyReaderMiddleware, HttpMetrics,
                                  MetricsMiddleware, RequestIdMiddleware)
+from frontend.protocol import anthropic as A
+from frontend.serving.anthropic import AnthropicServingMessages
+from frontend.serving.anthropic_errors import anthropic_route_class
 from frontend.serving.base import ServingContext
 from frontend.serving.chat import OpenAIServingChat
 from frontend.serving.completions import OpenAIServingCompletion
@@ -38,7 +43,7 @@ from frontend.serving.status import ServingStatus, tandem_version
 from frontend.serving.tokenize import OpenAIServingTokenization
 
 # The routes that queue work on the engine: admission control counts these.
-GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/messages"})
 # The routes open without the API key (probes, metrics, the schema); none takes a body. Every
 # other path, unknown ones included, needs the key when one is set.
 OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
@@ -64,6 +69,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     serving_completion = OpenAIServingCompletion(context)
     serving_chat = OpenAIServingChat(context)
     serving_invocations = OpenAIServingInvocations(serving_chat, serving_completion)
+    serving_messages = AnthropicServingMessages(context, serving_chat)
     serving_tokenization = OpenAIServingTokenization(context)
     serving_models = OpenAIServingModels(context)
     serving_status = ServingStatus(context, metrics.registry)
@@ -84,6 +90,21 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def invocations(raw_request: Request) -> Response:
         """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
         return await serving_invocations.create_invocation(raw_request)
+
+    # Anthropic's Messages API: its routes answer errors in Anthropic's shape.
+    anthropic_route = anthropic_route_class(limits.retry_after_s)
+
+    async def messages(request: A.AnthropicMessagesRequest, raw_request: Request) -> Response:
+        """Anthropic's Messages API (JSON, or its SSE events with ``stream``), served by the chat endpoint."""
+        return await serving_messages.create_message(request, raw_request)
+
+    async def count_message_tokens(request: A.AnthropicCountTokensRequest) -> A.AnthropicCountTokensResponse:
+        return await serving_messages.count_tokens(request)
+
+    app.router.add_api_route("/v1/messages", messages, methods=["POST"], response_model=A.AnthropicMessagesResponse,
+                             route_class_override=anthropic_route)
+    app.router.add_api_route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"],
+                             route_class_override=anthropic_route)
 
     @app.get("/v1/models")
     async def models() -> P.ModelList:
