@@ -1,0 +1,101 @@
+"""bench/frontend_capacity.py at its smallest, and the stand-in backend it drives (tests/stand_in_backend.py).
+
+The bench starts the stand-in and a real frontend process and reports a row per workload and
+concurrency; every figure must be real (tokens counted from each response's usage, CPU read from
+/proc). No speed is asserted. The stand-in is checked through the frontend's own gRPC client:
+it must answer every call that client makes, and stream exactly what it promises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build_tokenizer
+
+from backend.types.sampling_params import SamplingParams
+from frontend.grpc_client import GrpcEngineClient
+from frontend.tokenizer import tokenizer_fingerprint
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from stand_in_backend import StandInServicer, start_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(directory)
+    return directory
+
+
+@pytest.mark.timeout(60)
+def test_the_stand_in_answers_every_call_of_the_frontends_client(tokenizer_dir, tmp_path):
+    async def scenario():
+        servicer = StandInServicer(str(tokenizer_dir))
+        server, port = await start_server(servicer)
+        client = GrpcEngineClient(f"127.0.0.1:{port}")
+        try:
+            assert await client.health()
+            assert await client.tokenizer_fingerprint() == tokenizer_fingerprint(str(tokenizer_dir))
+            fetched = await client.fetch_tokenizer(tmp_path / "fetched")
+            assert tokenizer_fingerprint(str(fetched)) == tokenizer_fingerprint(str(tokenizer_dir))
+            info = await client.model_info()
+            assert info.vocab_size > 0 and info.eos_token_ids
+            assert (await client.get_load()).num_requests_running == 0
+
+            params = SamplingParams(n=2, max_tokens=5, logprobs=2, prompt_logprobs=1)
+            outputs = [o async for o in client.generate("r1", [1, 2, 3], params)]
+            for index in range(2):
+                mine = [o for o in outputs if o.index == index]
+                assert [len(o.new_token_ids) for o in mine] == [1] * 5
+                assert [o.finish_reason for o in mine][-1].value == "length"
+                assert all(o.finish_reason is None for o in mine[:-1])
+                assert all(len(o.new_logprobs) == 1 and len(o.new_logprobs[0]) == 3 for o in mine)
+                assert mine[0].prompt_logprobs is not None and len(mine[0].prompt_logprobs) == 3
+                assert mine[1].prompt_logprobs is None
+
+            # Abort ends a running stream with ABORT; closing the stream cancels the call.
+            stream = client.generate("r2", [1, 2], SamplingParams(max_tokens=10_000))
+            first = await anext(stream)
+            assert first.finish_reason is None and (await client.get_load()).num_requests_running == 1
+            await client.abort("r2")
+            rest = [o async for o in stream]
+            assert rest[-1].finish_reason.value == "abort" and len(rest) < 10_000
+            assert (await client.get_load()).num_requests_running == 0
+            await client.abort("never-ran")  # unknown IDs are ignored, and not remembered
+            assert servicer.aborted == set()
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(180)
+def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_path):
+    out = tmp_path / "capacity.json"
+    workloads = ["completions-stream-logprobs", "chat-stream", "chat", "chat-short"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "frontend_capacity.py"), "--tokenizer", str(tokenizer_dir),
+         "--concurrency", "2,4", "--max-tokens", "8", "--tokens-per-run", "256", "--workloads", ",".join(workloads),
+         "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(row["workload"], row["concurrency"]): row for row in report["rows"]}
+    assert set(rows) == {(w, c) for w in workloads for c in (2, 4)}
+    for (workload, concurrency), row in rows.items():
+        per_request = 1 if workload == "chat-short" else 8
+        assert row["requests"] >= concurrency
+        assert row["tokens"] == row["requests"] * per_request, row  # from each response's usage
+        assert row["frontend_us_per_token"] > 0 and row["tokens_per_s"] > 0, row
+        streamed = "stream" in workload
+        assert (row["itl_p50_ms"] is not None) == streamed, row
+        if streamed:
+            assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"], row
+    assert report["conditions"]["max_tokens"] == 8
