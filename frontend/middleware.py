@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.types.errors import OverloadedError, TandemError
+from frontend.serving.anthropic_errors import ANTHROPIC_PATH_PREFIX, anthropic_error, anthropic_error_response
 from frontend.serving.errors import (HTTP_STATUS_CLIENT_CLOSED_REQUEST, AuthenticationError, RequestTooLargeError,
                                      error_body, error_json_response, error_of_exception)
 
@@ -117,7 +118,11 @@ async def send_error(scope: Scope, receive: Receive, send: Send, error: TandemEr
 
 async def _send_error_body(scope: Scope, receive: Receive, send: Send, status: int, body, retry_after_s: int,
                            close: bool) -> None:
-    response = error_json_response(status, body, retry_after_s)
+    if scope["path"].startswith(ANTHROPIC_PATH_PREFIX):  # Anthropic's routes answer in Anthropic's shape
+        response = anthropic_error_response(status, anthropic_error(status, body.error.message, body.error.param),
+                                            retry_after_s)
+    else:
+        response = error_json_response(status, body, retry_after_s)
     if close:
         response.headers["connection"] = "close"
     await response(scope, receive, send)

@@ -22,6 +22,7 @@ from helpers import LoopThread, backend_and_frontend, uvicorn_on, wait_for
 from fastapi.testclient import TestClient
 from test_api_server import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
 
+from backend.types.limits import Limits
 from backend.types.outputs import ModelInfo
 from frontend.app import create_app
 from frontend.grpc_client import BackendOverloadedError, BackendUnavailableError
@@ -367,11 +368,24 @@ def test_an_error_after_the_stream_began_is_an_error_event(client, engine):
 
 def test_the_api_key_guards_the_routes(engine, tokenizer):
     with TestClient(make_app(engine, tokenizer, api_key="s3cret"), raise_server_exceptions=False) as client:
-        assert client.post("/v1/messages", json=body()).status_code == 401
-        assert client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": USER}).status_code == 401
+        assert_anthropic_error(client.post("/v1/messages", json=body()), 401, "authentication_error", "API key")
+        assert_anthropic_error(client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": USER}),
+                               401, "authentication_error")
+        # Other routes keep OpenAI's shape.
+        assert client.post("/v1/chat/completions", json={"messages": USER}).json()["error"]["code"] == 401
         assert engine.requests == []
         response = client.post("/v1/messages", json=body(), headers={"Authorization": "Bearer s3cret"})
         assert response.status_code == 200, response.text
+
+
+def test_the_edge_refuses_a_body_too_large_in_anthropics_shape(engine, tokenizer):
+    app = create_app(engine, tokenizer, ModelInfo(MODEL, MAX_MODEL_LEN, TINY_VOCAB, [engine.eos]),
+                     limits=Limits(max_request_body_bytes=1024))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        request = body(messages=[{"role": "user", "content": "x" * 2048}])
+        assert_anthropic_error(client.post("/v1/messages", json=request), 413, "request_too_large",
+                               "--max-request-body-bytes")
+    assert engine.requests == []
 
 
 # ---- the anthropic SDK against a live server ------------------------------------------------------

@@ -5,9 +5,9 @@ HTTP status (and the message and field it names); this module only reshapes
 that answer as ``{"type": "error", "error": {"type": ..., "message": ...}}``.
 The routes built with ``anthropic_route_class`` answer this way whatever
 fails: request validation (a 400, never a 422), the endpoint's own errors, and
-errors in a stream once it began (``stream_error_event``). Errors the edge's
-middleware answers before any route (401, 413, 429 at admission) keep the
-OpenAI shape; their status codes are the same.
+errors in a stream once it began (``stream_error_event``). The edge's
+middleware answers its own errors (401, 408, 413, 429) on paths under
+``ANTHROPIC_PATH_PREFIX`` in this shape too (``frontend.middleware``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ _ERROR_TYPE_OF_STATUS = {
 # The chat request's field names that Anthropic's request spells otherwise (errors raised while
 # serving the translated request name the chat field).
 _ANTHROPIC_FIELD_OF = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
+
+
+# The Anthropic routes' common prefix: the edge's middleware answers errors on them in this shape too.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 
 def error_type_of_status(status: int) -> str:
