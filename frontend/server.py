@@ -34,7 +34,8 @@ import uvicorn
 from backend.types.config import EngineConfig
 from backend.types.errors import TandemError
 from backend.types.limits import FRONTEND_LIMITS, Limits
-from backend.types.ports import check_port_free, port_error
+from backend.types.command_line import CommandLineParser
+from backend.types.ports import check_port_free, port_error, port_number
 from backend.types.wire import TOKEN_ENV  # read when --backend-auth-token is not given
 from frontend.app import create_app
 from frontend.environment import API_KEY_ENV
@@ -154,8 +155,8 @@ def uvicorn_log_config() -> dict:
     return config
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m frontend.server", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m frontend.server") -> argparse.ArgumentParser:
+    parser = CommandLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", required=True,
                         help="the backends' gRPC addresses: HOST:PORT, comma-separated for several, or "
                              "dns:///NAME:PORT for every address NAME resolves to (re-resolved as replicas change)")
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing-prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
                         help="prompt tokens hashed for prefix routing (default: %(default)s, four 16-token blocks)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--port", type=port_number, default=8000, help="HTTP port")
     parser.add_argument("--tokenizer", default=None,
                         help="local tokenizer directory (default: fetch the backend's and cache it)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -177,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait at startup for the backend to be healthy (0: no limit)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish after SIGTERM")
-    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="the least severe log lines shown")
     Limits.add_cli_args(parser, FRONTEND_LIMITS)
     security = parser.add_argument_group("the backend connection's security (see `tandem backend --help`)")
     security.add_argument("--backend-auth-token", default=os.environ.get(TOKEN_ENV),
@@ -197,9 +199,9 @@ def _exit_cleanly(signum: int, frame) -> None:
     raise SystemExit(0)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, prog: str = "python -m frontend.server") -> int:
     """Run the frontend; 0 after SIGINT/SIGTERM, 1 (with the reason on stderr) if it cannot start."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A stop request is a normal end: while uvicorn serves it drains first, then re-raises
     # the signal, which lands here; before that (waiting for the backend) it ends at once.

@@ -32,11 +32,13 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
+from backend.types.command_line import CommandLineParser
 from backend.types.config import EngineConfig
 from backend.types.errors import TandemError
 from backend.types.limits import BACKEND_LIMITS, FRONTEND_LIMITS, Limits
-from backend.types.ports import PortInUseError, check_port_free
+from backend.types.ports import check_port_free, port_number
 from backend.types.sampling_params import SamplingParams
+from backend.types.startup_log import seconds_since_process_start
 from backend.types.wire import TOKEN_ENV
 from frontend.environment import API_KEY_ENV, INSTANCE_ENV, INSTANCE_HEADER
 from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -133,11 +135,11 @@ def serve(args: argparse.Namespace) -> int:
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    try:  # every port serve opens, before the model loads
+    try:  # every address serve opens, before the model loads
         check_port_free(args.host, args.port, "--port")
         check_port_free("127.0.0.1", args.grpc_port, "--grpc-port")
         check_port_free("127.0.0.1", args.metrics_port, "--metrics-port")
-    except PortInUseError as error:
+    except TandemError as error:  # a port in use, or a --host that is not this machine's
         print(f"error: {error}", file=sys.stderr)
         return 1
     stop_requested: list[int] = []  # the signals received
@@ -179,7 +181,8 @@ def serve(args: argparse.Namespace) -> int:
             if not ready and _http_get(base_url + "/health", None, INSTANCE_HEADER) == instance_id:
                 models = _http_get(base_url + "/v1/models", args.api_key)
                 name = json.loads(models)["data"][0]["id"] if models else args.model
-                print(f"Tandem is serving {name} at http://{args.host}:{args.port}/v1", flush=True)
+                print(f"Tandem is serving {name} at http://{args.host}:{args.port}/v1 "
+                      f"(ready {seconds_since_process_start():.1f} s after start)", flush=True)
                 ready = True
             time.sleep(POLL_INTERVAL_S)
     finally:
@@ -250,17 +253,17 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: an LLM inference server.")
+    parser = CommandLineParser(prog="tandem", description="Tandem: an LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_parser = commands.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API "
                                                      "(a backend and a frontend process)")
     EngineConfig.add_cli_args(serve_parser)
     serve_parser.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
-    serve_parser.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
-    serve_parser.add_argument("--grpc-port", type=int, default=50051,
+    serve_parser.add_argument("--port", type=port_number, default=8000, help="port of the HTTP API")
+    serve_parser.add_argument("--grpc-port", type=port_number, default=50051,
                               help="loopback port between the frontend and the backend")
-    serve_parser.add_argument("--metrics-port", type=int, default=8001,
+    serve_parser.add_argument("--metrics-port", type=port_number, default=8001,
                               help="the backend's Prometheus port (engine metrics; HTTP metrics are at /metrics)")
     serve_parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                               help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
@@ -287,10 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate_parser = commands.add_parser("generate", help="generate text offline for one prompt")
     EngineConfig.add_cli_args(generate_parser)
-    generate_parser.add_argument("--prompt", required=True)
+    generate_parser.add_argument("--prompt", required=True, help="the text to continue")
     sampling_defaults = SamplingParams()
-    generate_parser.add_argument("--max-tokens", type=int, default=sampling_defaults.max_tokens)
-    generate_parser.add_argument("--temperature", type=float, default=sampling_defaults.temperature)
+    generate_parser.add_argument("--max-tokens", type=int, default=sampling_defaults.max_tokens,
+                                 help="tokens to generate at most")
+    generate_parser.add_argument("--temperature", type=float, default=sampling_defaults.temperature,
+                                 help="sampling temperature (0: greedy)")
     generate_parser.set_defaults(handler=generate)
     return parser
 
@@ -315,11 +320,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["backend"]:
         from backend.server.main import main as backend_main
 
-        return backend_main(argv[1:])
+        return backend_main(argv[1:], prog="tandem backend")
     if argv[:1] == ["frontend"]:
         from frontend.server import main as frontend_main
 
-        return frontend_main(argv[1:])
+        return frontend_main(argv[1:], prog="tandem frontend")
     args = build_parser().parse_args(argv)
     return args.handler(args)
 
