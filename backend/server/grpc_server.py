@@ -39,6 +39,7 @@ from backend.server.servicer import SERVICE_NAME, EngineServicer, engine_service
 from backend.types.config import EngineConfig
 from backend.types.limits import Limits
 from backend.types.ports import check_port_free, port_error
+from backend.types.startup_log import log_phase, seconds_since_process_start
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,8 @@ class BackendServer:
                 self.metrics_port = self.metrics.start_http_server(self.metrics_host, self.metrics_port)
             except OSError as error:
                 await self._server.stop(grace=None)
-                raise port_error(self.metrics_host, self.metrics_port, "--metrics-port", error) from None
+                raise port_error(self.metrics_host, self.metrics_port, "--metrics-port", error,
+                                 "--metrics-host") from None
         self._watcher = asyncio.get_running_loop().create_task(self._watch_engine())
 
     async def _watch_engine(self) -> None:
@@ -151,10 +153,10 @@ async def serve(config: EngineConfig, host: str, port: int, metrics_port: Option
     """Check the bind and the ports, load the engine, serve until SIGTERM/SIGINT (exit code 0) or
     the engine's death (exit code 1), then drain and stop."""
     security = security or ServerSecurity()
-    security.check_bind(host)  # before the model loads, which takes a while
-    check_port_free(host, port, "--port")
+    check_port_free(host, port, "--port")  # before the model loads, which takes a while
+    security.check_bind(host)
     if metrics_port is not None:
-        check_port_free(metrics_host, metrics_port, "--metrics-port")
+        check_port_free(metrics_host, metrics_port, "--metrics-port", "--metrics-host")
     engine = AsyncLLMEngine(config, limits)
     try:
         server = BackendServer(engine, host, port, metrics_port, limits, max_connection_age, security, metrics_host)
@@ -165,6 +167,8 @@ async def serve(config: EngineConfig, host: str, port: int, metrics_port: Option
             loop.add_signal_handler(sig, stop.set)
         print(f"Backend serving {config.served_model_name} on {host}:{server.port} "
               f"(metrics on port {server.metrics_port})", flush=True)
+        log_phase(logger, "ready", f"the backend serves gRPC on {host}:{server.port}",
+                  seconds_since_process_start())
         stopped, died = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.engine_died.wait())
         await asyncio.wait((stopped, died), return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
