@@ -172,6 +172,58 @@ def test_bad_http_request_gets_its_4xx_and_openai_error_json(stack, route, body,
     assert_serving(stack)
 
 
+# ---- HTTP, Anthropic's Messages API: (route, body, status, a word its message holds) -------------
+
+M, COUNT = "/v1/messages", "/v1/messages/count_tokens"
+
+
+def message(**fields) -> dict:
+    return {"model": "", "max_tokens": 2, "messages": MESSAGES, **fields}  # "": the served model
+
+
+ANTHROPIC_CASES = [
+    (M, message(max_tokens=10_000), 400, "max_tokens"),
+    (M, message(max_tokens=0), 400, "max_tokens"),
+    (M, {"model": "", "messages": MESSAGES}, 400, "max_tokens"),
+    (M, message(messages=[{"role": "user", "content": "Hello " * 20_000}]), 400, "messages"),
+    (COUNT, {"model": "", "messages": [{"role": "user", "content": "Hello " * 20_000}]}, 400, "messages"),
+    (M, message(system="Hello " * 20_000), 400, "messages"),
+    (M, message(stop_sequences=["a"] * 65), 400, "stop_sequences"),
+    (M, message(stop_sequences=["a" * 1025]), 400, "stop_sequences"),
+    (M, message(top_k=2**40), 400, "top_k"),
+    (M, raw('{"model": "", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}'),
+     400, "temperature"),
+    (M, raw('{"model": "", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}'), 400,
+     "messages"),
+    (M, message(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, "image"),
+    (M, message(thinking={"type": "enabled", "budget_tokens": 1024}), 400, "thinking"),
+    (M, message(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool",
+                                                                                       "name": "g"}), 400, "g"),
+    (M, message(model="no-such-model"), 404, "no-such-model"),
+    (COUNT, {"model": "no-such-model", "messages": MESSAGES}, 404, "no-such-model"),
+    (M, {"messages": MESSAGES, "max_tokens": 2, "model": "", "pad": "x" * (2 * 1024 * 1024)}, 413, "body"),
+    (M, raw('{"model": "", "max_tokens": 2'), 400, "JSON"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, word", ANTHROPIC_CASES,
+                         ids=[f"{i}-{case[0].strip('/').replace('/', '_')}" for i, case in enumerate(ANTHROPIC_CASES)])
+def test_bad_anthropic_request_gets_its_4xx_and_anthropic_error_json(stack, route, body, status, word):
+    if isinstance(body, bytes):
+        response = stack.http.post(route, content=body, headers={"content-type": "application/json"})
+    else:
+        response = stack.http.post(route, json=body)
+    assert response.status_code == status, response.text
+    payload = response.json()
+    assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}, payload
+    assert payload["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error",
+                                        413: "request_too_large"}[status]
+    assert word in payload["error"]["message"], payload
+    served = stack.http.post(M, json=message(max_tokens=2, temperature=0))
+    assert served.status_code == 200 and served.json()["usage"]["output_tokens"] == 2, served.text
+    assert_serving(stack)
+
+
 def test_a_body_without_a_length_is_cut_at_the_limit(stack):
     def chunks():
         for _ in range(4):
