@@ -7,18 +7,27 @@ stop strings; ``frontend.outputs``) against an in-process ``AsyncLLMEngine``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import SamplingParams
+from backend.types.startup_log import log_phase
 from frontend.outputs import RequestOutput, RequestOutputBuilder
 from frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
 
 # A prompt: text, token IDs, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType = Union[str, list[int], dict]
+
+logger = logging.getLogger(__name__)
+# The loggers whose INFO lines a start shows (the start-up phases: backend/types/startup_log.py).
+STARTUP_LOGGERS = ("backend", "tandem_kernels", "frontend")
 
 
 class LLM:
@@ -29,16 +38,23 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``enable_prefix_caching``, ``enforce_eager``, ``kv_cache_memory_gb``, ...
     ``model=None`` serves the default model (SmolLM2-135M-Instruct).
+
+    The start prints one line per phase on stderr (model, kernels, weights, KV cache, graphs,
+    ready), unless the program has set up logging itself (then they are INFO records of the
+    ``backend`` loggers, shown or not as it decides).
     """
 
     def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, **kwargs: Any) -> None:
-        from backend.engine.async_llm_engine import AsyncLLMEngine  # torch lives behind this import
+        start = time.monotonic()
+        with startup_progress_shown():
+            from backend.engine.async_llm_engine import AsyncLLMEngine  # torch lives behind this import
 
-        config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
-        self.engine = AsyncLLMEngine(config)
-        self.model_info = self.engine.engine.model_info()
-        self.tokenizer = load_tokenizer(self.model_info.tokenizer_path)
-        self._ids = itertools.count()
+            config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
+            self.engine = AsyncLLMEngine(config)
+            self.model_info = self.engine.engine.model_info()
+            self.tokenizer = load_tokenizer(self.model_info.tokenizer_path)
+            self._ids = itertools.count()
+            log_phase(logger, "ready", f"LLM({self.model_info.model_name})", time.monotonic() - start)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -141,6 +157,29 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
+
+
+@contextlib.contextmanager
+def startup_progress_shown() -> Iterator[None]:
+    """While the engine starts, show Tandem's INFO lines on stderr, when the program has configured
+    no logging (Python would print only warnings); a program that has keeps its own choice."""
+    if logging.getLogger().handlers:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in STARTUP_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.addHandler(handler)
+        if log.getEffectiveLevel() > logging.INFO:
+            log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.removeHandler(handler)
+            log.setLevel(level)
 
 
 def _run_to_completion(coroutine):
