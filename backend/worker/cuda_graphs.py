@@ -21,6 +21,13 @@ points rows [n, B) at a scratch KV block that no request owns::
 so padded rows compute finite garbage that nobody reads and touch no request's
 blocks. Logits and sampling run after the replay, on rows [0, n).
 
+When: CUDA graphs are all captured before serving (capturing one while other work runs on the
+device conflicts with torch's global capture mode, and none can be kept across processes). A
+CPU's traced graph is recorded the first time its batch size runs (``captured_on_first_use``):
+that step runs with the recording on (the warm-up and the traced run both compute it for real),
+so a start captures nothing and the server answers as soon as the model is loaded; capturing all
+32 sizes up front took 11-57 s of a 2-core machine's start.
+
 The graph object is a seam: on CUDA it is a ``torch.cuda.CUDAGraph``; CPU tests
 (and ``bench/gpu_check.py --tiny``) use ``FakeGraph``, which replays by calling
 the captured function again on the same buffers, so the size list, the padding
@@ -38,9 +45,11 @@ import torch
 
 from tandem_kernels import ops as kernels
 from backend.models.attention import AttentionMetadata
+from backend.types.startup_log import log_phase
 from backend.worker.traced_graph import TracedGraph
 
-logger = logging.getLogger(__name__)
+# Named for what it logs, CUDA or CPU graphs alike (this module's name predates the CPU's).
+logger = logging.getLogger("backend.worker.decode_graphs")
 
 MAX_CAPTURE_SIZE = 512  # larger decode batches run eagerly (their launch overhead is amortized)
 CPU_MAX_CAPTURE_SIZE = 32  # CPU: ~1.5-3 ms of Python saved per step: 14 % of batch 1, ~5 % of batch 32 (median)
@@ -66,6 +75,9 @@ def padded_size(n: int, sizes: list[int]) -> Optional[int]:
 class CudaGraph:
     """``torch.cuda.CUDAGraph`` behind the two calls DecodeGraphs makes; all share one pool."""
 
+    kind = "CUDA graphs"
+    captured_on_first_use = False
+
     def __init__(self, pool) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
@@ -79,7 +91,11 @@ class CudaGraph:
 
 
 class FakeGraph:
-    """Replays by calling the captured function again (CPU tests of the capture logic)."""
+    """Replays by calling the captured function again (CPU tests of the capture logic, which
+    capture up front as CUDA does)."""
+
+    kind = "stand-in graphs (FakeGraph)"
+    captured_on_first_use = False
 
     def __init__(self, pool=None) -> None:
         self.fn: Optional[Callable[[], None]] = None
@@ -152,33 +168,44 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first (smaller graphs reuse its pool memory)."""
+        """Capture every size, largest first (smaller graphs reuse its pool memory); for a graph
+        class ``captured_on_first_use``, none now: ``run`` captures each size when it first runs."""
         start = time.perf_counter()
+        kind = self.graph_cls.kind
+        if self.graph_cls.captured_on_first_use:
+            self.capture_seconds, self.capture_mib = 0.0, 0.0
+            log_phase(logger, "decode graphs", f"{len(self.sizes)} {kind} (batch sizes {self.sizes[0]}.."
+                      f"{self.sizes[-1]}), each captured when its batch size first runs", 0.0)
+            return
         cuda = self.device.type == "cuda"
         before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         pool = torch.cuda.graph_pool_handle() if cuda else None
         for size in reversed(self.sizes):
-            meta = self._metadata(size)
-
-            def step(size=size, meta=meta) -> None:
-                self.hidden[:size].copy_(self.model(self.input_ids[:size], self.positions[:size], meta))
-
-            if self.hidden is None:
-                out = self.model(self.input_ids, self.positions, meta)
-                self.hidden = torch.zeros_like(out)
-            step()  # warm-up outside the graph: compiles kernels, sizes workspaces
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            graph = self.graph_cls(pool)
-            graph.capture(step)
-            self.graphs[size] = graph
+            self._capture(size, pool)
         if cuda:
             torch.cuda.synchronize(self.device)
         used = (before - torch.cuda.mem_get_info(self.device)[0]) / 2 ** 20 if cuda else 0.0
         self.capture_seconds = time.perf_counter() - start
         self.capture_mib = used
-        logger.info("Captured %d decode graphs (batch sizes %d..%d) in %.1f s, using %.0f MiB",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], self.capture_seconds, used)
+        log_phase(logger, "decode graphs", f"captured {len(self.sizes)} {kind} (batch sizes {self.sizes[0]}.."
+                  f"{self.sizes[-1]}), using {used:.0f} MiB", self.capture_seconds)
+
+    def _capture(self, size: int, pool) -> None:
+        """Capture the graph of ``size`` rows from the buffers as they are (running the step)."""
+        meta = self._metadata(size)
+
+        def step() -> None:
+            self.hidden[:size].copy_(self.model(self.input_ids[:size], self.positions[:size], meta))
+
+        if self.hidden is None:  # [max_size, hidden]: shaped by this size's output
+            out = self.model(self.input_ids[:size], self.positions[:size], meta)
+            self.hidden = out.new_zeros((self.max_size, *out.shape[1:]))
+        step()  # warm-up outside the graph: compiles kernels, sizes workspaces
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        graph = self.graph_cls(pool)
+        graph.capture(step)
+        self.graphs[size] = graph
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """A decode-only step that a captured graph can run."""
@@ -203,5 +230,11 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(self.pad_slot)
             self.block_tables[n:size, 0].fill_(self.pad_block)
             self.seq_lens[n:size].fill_(1)
-        self.graphs[size].replay()
+        if size in self.graphs:
+            self.graphs[size].replay()
+        else:  # captured on first use: recording the step runs it, on this step's inputs
+            start = time.perf_counter()
+            self._capture(size, None)
+            logger.info("Captured the %s of batch size %d on its first use in %.2f s", self.graph_cls.kind,
+                        size, time.perf_counter() - start)
         return self.hidden[:n]

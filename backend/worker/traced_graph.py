@@ -144,6 +144,11 @@ class TracedGraph:
     """``DecodeGraphs``' graph on the CPU: capture records ``fn``'s ops (running it) into
     ``module``; replay runs them compiled (``compile_replay``)."""
 
+    kind = "CPU traced graphs"
+    # Recording sets no process-wide mode (the dispatch mode is this thread's only) and runs the
+    # step for real, so a batch size's first step can record it while serving: nothing at start-up.
+    captured_on_first_use = True
+
     def __init__(self, pool=None) -> None:
         self.module: fx.GraphModule | None = None
         self.compiled: Callable[[], None] | None = None
