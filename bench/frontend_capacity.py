@@ -17,6 +17,10 @@ soon as its last one ended, for each workload and each C. Per run it reports:
 - p50/p99 inter-token latency: the gaps between consecutive SSE events of
   one stream as the client receives them (streaming workloads only).
 
+``--parts`` then splits a streamed token's CPU (``measure_parts``): the app's own code through
+ASGI on an in-process stand-in engine, and the gRPC client alone reading one message per token;
+the rest of the process's figure is the HTTP server and the sockets.
+
 Workloads: completions and chat, streamed and not, with and without logprobs
 (one top alternative), each ``max_tokens`` long with ``ignore_eos``; and
 ``chat-short``: a one-token chat reply, not streamed, whose requests/s is the
@@ -278,6 +282,122 @@ def run_bench(tokenizer_dir: str, workloads: list[Workload], concurrencies: list
     return rows
 
 
+# ---- the parts: the frontend's own code, and the wire, each alone --------------------------------
+
+
+async def _asgi_request(app, path: str, body: bytes) -> int:
+    """One request straight into the ASGI app (no socket, no HTTP server); returns the bytes it sent."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "state": {},
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    done = asyncio.Event()
+    delivered = False
+    sent = 0
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        nonlocal sent
+        sent += len(message.get("body", b""))
+
+    await app(scope, receive, send)
+    done.set()
+    return sent
+
+
+async def _concurrently(concurrency: int, num_requests: int, one) -> float:
+    """``num_requests`` calls of ``one()`` from ``concurrency`` loops; the CPU seconds they took."""
+    remaining = num_requests
+
+    async def loop() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await one()
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))  # warm-up
+    before = time.process_time()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    return time.process_time() - before
+
+
+def measure_parts(tokenizer_dir: str, workloads: list[Workload], concurrencies: list[int], max_tokens: int,
+                  tokens_per_run: int, report=print) -> list[dict]:
+    """Where a streamed token's CPU goes, part by part, in this process:
+
+    - ``app``: the frontend's app (middleware, endpoint, detokenization, SSE chunks) called
+      directly through ASGI on an in-process stand-in engine: no socket, no HTTP server, no gRPC;
+    - ``grpc``: the frontend's gRPC client alone (``GrpcEngineClient.generate``) reading the
+      stand-in backend's streams: one message per token, nothing done with it.
+
+    The whole frontend process's figure minus these two is the HTTP server and sockets."""
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    sys.path.insert(0, str(REPO_ROOT))
+    from stand_in_backend import StandInEngineClient, StandInServicer
+
+    from backend.types.sampling_params import SamplingParams
+    from frontend.app import create_app
+    from frontend.grpc_client import GrpcEngineClient
+    from frontend.tokenizer import load_tokenizer
+
+    servicer = StandInServicer(tokenizer_dir)
+    engine = StandInEngineClient(servicer)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    rows = []
+    for workload in workloads:
+        if not workload.stream:
+            continue
+        body = json.dumps(workload.body("stand-in", max_tokens)).encode()
+        for concurrency in concurrencies:
+            num_requests = requests_for(workload, concurrency, tokens_per_run, max_tokens)
+
+            async def run_app() -> float:
+                app = create_app(engine, tokenizer, await engine.model_info())
+                try:
+                    return await _concurrently(concurrency, num_requests,
+                                               lambda: _asgi_request(app, workload.path, body))
+                finally:
+                    app.state.serving.close()
+
+            cpu = asyncio.run(run_app())
+            rows.append({"part": "app", "workload": workload.name, "concurrency": concurrency,
+                         "us_per_token": round(1e6 * cpu / (num_requests * max_tokens), 1)})
+            report(f"{'app (in-process ASGI)':<24} {workload.name:<28} {concurrency:>4} {rows[-1]['us_per_token']:>8.1f}")
+    stand_in, port = start_stand_in(tokenizer_dir)
+    try:
+        for concurrency in concurrencies:
+            num_requests = max(concurrency, tokens_per_run // max_tokens)
+            params = SamplingParams(max_tokens=max_tokens)
+            counter = iter(range(1 << 30))
+
+            async def run_grpc() -> float:
+                client = GrpcEngineClient(f"127.0.0.1:{port}")
+
+                async def one() -> None:
+                    async for _ in client.generate(f"r{next(counter)}", [1, 2, 3], params):
+                        pass
+
+                try:
+                    return await _concurrently(concurrency, num_requests, one)
+                finally:
+                    await client.close()
+
+            cpu = asyncio.run(run_grpc())
+            rows.append({"part": "grpc", "workload": "Generate streams", "concurrency": concurrency,
+                         "us_per_token": round(1e6 * cpu / (num_requests * max_tokens), 1)})
+            report(f"{'grpc client alone':<24} {'Generate streams':<28} {concurrency:>4} {rows[-1]['us_per_token']:>8.1f}")
+    finally:
+        stop(stand_in)
+    return rows
+
+
 HEADER = (f"{'workload':<28} {'C':>4} {'reqs':>5} {'tokens':>7} {'fe µs/tok':>9} {'fe µs/req':>9} "
           f"{'si µs/tok':>9} {'tok/s':>8} {'req/s':>7} {'itl p50':>8} {'itl p99':>8}")
 
@@ -302,6 +422,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="about this many tokens per (workload, concurrency); at least a request per client")
     parser.add_argument("--workloads", default="all", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--step-ms", type=float, default=0.0, help="the stand-in's pause between steps")
+    parser.add_argument("--parts", action="store_true",
+                        help="also measure the parts alone, in this process: the app through ASGI on an in-process "
+                             "stand-in engine, and the gRPC client reading the stand-in's streams")
     parser.add_argument("--json", default=None, help="write the rows and the conditions here")
     parser.add_argument("--frontend-arg", action="append", default=[], help="an extra flag for the frontend")
     args = parser.parse_args(argv)
@@ -315,10 +438,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(HEADER)
         rows = run_bench(tokenizer_dir, workloads, concurrencies, args.max_tokens, args.tokens_per_run,
                          args.frontend_arg, args.step_ms)
+        parts = []
+        if args.parts:
+            print(f"{'part':<24} {'workload':<28} {'C':>4} {'µs/tok':>8}")
+            parts = measure_parts(tokenizer_dir, workloads, concurrencies, args.max_tokens, args.tokens_per_run)
     if args.json:
         conditions = {"tokenizer": tokenizer_dir, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
                       "max_tokens": args.max_tokens, "step_ms": args.step_ms}
-        Path(args.json).write_text(json.dumps({"conditions": conditions, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"conditions": conditions, "rows": rows, "parts": parts}, indent=1))
     return 0
 
 

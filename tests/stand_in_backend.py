@@ -131,6 +131,50 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.GetMetricsResponse(prometheus_text="")
 
 
+class StandInEngineClient:
+    """The same stream as an in-process ``EngineClient`` (no gRPC): what the frontend's own code
+    costs per token, with the wire and the HTTP server taken away (``bench/frontend_capacity.py
+    --parts``). Takes the tokenizer's script, vocabulary size and EOS from a ``StandInServicer``."""
+
+    def __init__(self, servicer: StandInServicer) -> None:
+        from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo
+
+        self._types = EngineOutput, FinishReason, Logprob
+        self._info = ModelInfo(servicer.model_name, servicer.max_model_len, servicer.vocab_size,
+                               servicer.eos_token_ids)
+        self._load = EngineLoad(0, 0, 0.0)
+        self.script, self.vocab_size = servicer.script, servicer.vocab_size
+
+    async def generate(self, request_id, prompt_token_ids, params, *, deadline=None, cache_salt=None):
+        EngineOutput, FinishReason, Logprob = self._types
+        script, length = self.script, len(self.script)
+        max_tokens = min(params.max_tokens, self._info.max_model_len - len(prompt_token_ids))
+        for step in range(max_tokens):
+            for index in range(params.n):
+                token = script[(index + step) % length]
+                logprobs = None
+                if params.logprobs is not None:
+                    position = {token: Logprob(-0.25, 1)}
+                    for j in range(params.logprobs):
+                        position.setdefault((token + 1 + j) % self.vocab_size, Logprob(-1.0 - j, 2 + j))
+                    logprobs = [position]
+                yield EngineOutput(request_id, index, [token], logprobs,
+                                   FinishReason.LENGTH if step + 1 == max_tokens else None,
+                                   num_prompt_tokens=len(prompt_token_ids))
+
+    async def abort(self, request_id):
+        pass
+
+    async def model_info(self):
+        return self._info
+
+    async def get_load(self):
+        return self._load
+
+    async def health(self):
+        return True
+
+
 async def start_server(servicer: StandInServicer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
     """Serve ``servicer`` and health (SERVING) on ``host:port`` (0: any free port); return the server and port."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),

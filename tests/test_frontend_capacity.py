@@ -83,7 +83,7 @@ def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_p
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "frontend_capacity.py"), "--tokenizer", str(tokenizer_dir),
          "--concurrency", "2,4", "--max-tokens", "8", "--tokens-per-run", "256", "--workloads", ",".join(workloads),
-         "--json", str(out)],
+         "--parts", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -99,3 +99,8 @@ def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_p
         if streamed:
             assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"], row
     assert report["conditions"]["max_tokens"] == 8
+    # --parts: the app alone for each streamed workload, and the gRPC client alone, at each concurrency.
+    parts = {(part["part"], part["workload"], part["concurrency"]): part for part in report["parts"]}
+    assert set(parts) == ({("app", w, c) for w in workloads if "stream" in w for c in (2, 4)}
+                          | {("grpc", "Generate streams", c) for c in (2, 4)})
+    assert all(part["us_per_token"] > 0 for part in parts.values())
