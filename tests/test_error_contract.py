@@ -203,6 +203,8 @@ ANTHROPIC_CASES = [
     (COUNT, {"model": "no-such-model", "messages": MESSAGES}, 404, "no-such-model"),
     (M, {"messages": MESSAGES, "max_tokens": 2, "model": "", "pad": "x" * (2 * 1024 * 1024)}, 413, "body"),
     (M, raw('{"model": "", "max_tokens": 2'), 400, "JSON"),
+    (M, b"\xff\xfe garbage", 400, "body"),
+    (COUNT, b"\x15\xff\xdf\x8f8", 400, "body"),
 ]
 
 

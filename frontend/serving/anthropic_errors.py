@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -107,6 +108,9 @@ def anthropic_route_class(retry_after_s: int) -> type[APIRoute]:
                     return await handler(request)
                 except ClientDisconnectedError:
                     raise  # nobody reads the answer: the app's handler ends it with 499
+                except StarletteHTTPException as error:  # FastAPI's, e.g. a body that is not UTF-8
+                    return anthropic_error_response(error.status_code, anthropic_error(error.status_code,
+                                                                                       str(error.detail)))
                 except RequestValidationError as error:
                     return anthropic_error_response(400, anthropic_error(400, validation_message(error.errors())))
                 except Exception as error:  # noqa: BLE001 -- every error leaves in Anthropic's shape
