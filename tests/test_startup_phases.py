@@ -111,3 +111,21 @@ def test_serve_shows_the_backend_phases_and_when_it_was_ready(tiny_checkpoint, t
     (ready,) = [what for phase, what, _ in parse_phases(text) if phase == "ready"]
     assert ready.startswith("the backend serves gRPC on 127.0.0.1:")
     assert f"at http://127.0.0.1:{port}/v1 (ready " in text and " s after start)" in text
+
+
+@pytest.mark.timeout(400)
+def test_the_startup_bench_times_warm_starts_and_tabulates_their_phases(tiny_checkpoint):
+    """bench/startup.py's smallest run: warm `tandem backend` and LLM() on the tiny model, on this
+    HOME's caches (the compiled kernels); every row answered, with its phases read from the logs."""
+    command = [sys.executable, "bench/startup.py", "--kinds", "backend,llm", "--starts", "warm",
+               "--home", os.path.expanduser("~"), "--model", str(tiny_checkpoint("llama")),
+               "--engine-args", "--dtype float32 --num-kv-blocks 64 --max-model-len 128", "--timeout", "180"]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=390)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| warm |")]
+    assert [row.split(" | ")[1] for row in rows] == ["tandem backend (to ready)", "LLM()"], result.stdout
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[2].endswith(" s") and float(cells[2][:-2]) > 0
+        assert all(cell != "-" for cell in cells[4:]), row  # model, kernels, weights, KV cache, graphs, ready
+    assert "1-minute load average" in result.stdout
