@@ -20,11 +20,13 @@ import pytest
 from conftest import TINY_VOCAB
 from helpers import LoopThread, backend_and_frontend, uvicorn_on, wait_for
 from fastapi.testclient import TestClient
+from test_invalid_unicode import _can_hold_text
 from test_api_server import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.limits import Limits
 from backend.types.outputs import ModelInfo
 from frontend.app import create_app
+from frontend.protocol import anthropic as A
 from frontend.grpc_client import BackendOverloadedError, BackendUnavailableError
 
 MAX_MODEL_LEN = 2048  # room for the tools' system prompt (long in the tiny vocabulary)
@@ -322,6 +324,48 @@ def test_what_is_not_implemented_is_refused_naming_it(client, engine, fields, wo
         del request["max_tokens"]
     assert_anthropic_error(client.post("/v1/messages", json=request), 400, "invalid_request_error", *words)
     assert engine.requests == []
+
+
+BAD = "ok \ud800 there"  # a lone high surrogate: not valid Unicode
+UNICODE_CASES = [
+    ("model", BAD), ("system", BAD), ("system", [{"type": "text", "text": BAD}]), ("stop_sequences", ["a", BAD]),
+    ("messages", [{"role": "user", "content": BAD}]),
+    ("messages", [{"role": "user", "content": [{"type": "text", "text": BAD}]}]),
+    ("messages", [{"role": "assistant", "content": [{"type": "tool_use", "id": BAD, "name": "f", "input": {}}]}]),
+    ("messages", [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": BAD, "input": {}}]}]),
+    ("messages", [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                     "input": {BAD: 1}}]}]),
+    ("messages", [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": BAD}]}]),
+    ("messages", [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": BAD}]}]),
+    ("messages", [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                "content": [{"type": "text", "text": BAD}]}]}]),
+    ("tools", [{"name": BAD, "input_schema": {"type": "object"}}]),
+    ("tools", [{"name": "f", "description": BAD, "input_schema": {"type": "object"}}]),
+    ("tools", [{"name": "f", "input_schema": {"type": "object", "properties": {BAD: {}}}}]),
+    ("tool_choice", {"type": "tool", "name": BAD}), ("metadata", {"user_id": BAD}),
+]
+
+
+@pytest.mark.parametrize("field, value", UNICODE_CASES, ids=[f"{i}-{case[0]}" for i, case in enumerate(UNICODE_CASES)])
+def test_text_that_is_not_unicode_is_refused_naming_its_field(client, engine, field, value):
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        request = {"model": MODEL, "messages": USER, **({"max_tokens": 2} if route == "/v1/messages" else {})}
+        if field not in A.AnthropicCountTokensRequest.model_fields and route != "/v1/messages":
+            continue
+        request[field] = value
+        # ensure_ascii: the lone surrogate is written as its \u escape, as a client would.
+        response = client.post(route, content=json.dumps(request), headers={"content-type": "application/json"})
+        message = assert_anthropic_error(response, 400, "invalid_request_error", field)
+        assert "U+D800" in message or "unicode string" in message, message  # ours, or pydantic's constrained str
+    assert engine.requests == []
+
+
+def test_every_text_field_has_a_unicode_case():
+    covered = {field for field, _ in UNICODE_CASES}
+    for model in (A.AnthropicMessagesRequest, A.AnthropicCountTokensRequest):
+        for name, field in model.model_fields.items():
+            if _can_hold_text(field.annotation) and name != "cache_control":  # a Literal: no free text
+                assert name in covered, f"no invalid-Unicode case for {name}"
 
 
 def test_count_tokens_refuses_the_same_and_knows_only_the_served_model(client):
