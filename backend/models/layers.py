@@ -44,6 +44,9 @@ class RotaryEmbedding(nn.Module):
 
     The frequencies come from transformers' own rope functions (default,
     linear, llama3, yarn, ...), so they equal the oracle's bit for bit.
+    The table is max_positions x rotary_dim fp32 (64 MiB at 131k positions and head dim 128):
+    a model builds one per distinct rotary config, sized to the engine's max_model_len, and
+    hands it to every layer.
     """
 
     is_neox = True  # the Llama family rotates halves

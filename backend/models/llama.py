@@ -20,18 +20,21 @@ from backend.models.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from backend.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
+def llama_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        head_dim = llama_head_dim(config)
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden,
                                         bias=getattr(config, "attention_bias", False),
                                         input_shard=self.qkv_proj.q_shard)
-        rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                               head_dim ** -0.5, rotary)
 
@@ -55,9 +58,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias)
+        self.self_attn = LlamaAttention(config, qkv_bias, rotary)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -75,13 +78,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, max_positions: int) -> None:
         super().__init__()
         self.parallel = state = get_parallel_state()
         start, end = stage_layers(config.num_hidden_layers, state.pp_rank, state.pp_size)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
                              if state.is_first_stage else PPMissingLayer())
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias) if start <= i < end
+        # One cos/sin table for every layer (they share the rotary config): [max_positions, rotary_dim].
+        self.rotary_emb = RotaryEmbedding(config, llama_head_dim(config), max_positions)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, self.rotary_emb) if start <= i < end
                                     else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.local_layers = tuple(self.layers[start:end])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else PPMissingLayer()
@@ -109,11 +114,16 @@ class LlamaForCausalLM(nn.Module):
     # What one pipeline stage hands the next: [num_tokens, hidden_size] each.
     pp_tensor_names = ("hidden_states", "residual")
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, max_model_len: Optional[int] = None) -> None:
+        """max_model_len: the longest sequence the engine runs (its positions are below it); it
+        sizes the rotary table. None: the config's max_position_embeddings."""
         super().__init__()
         self.config = config
         self.pp_hidden_size = config.hidden_size
-        self.model = LlamaModel(config, self.qkv_bias or getattr(config, "attention_bias", False))
+        max_positions = config.max_position_embeddings if max_model_len is None else max_model_len
+        if not isinstance(max_positions, int) or max_positions < 1:
+            raise ValueError(f"max_model_len must be a positive int; got {max_positions!r}")
+        self.model = LlamaModel(config, self.qkv_bias or getattr(config, "attention_bias", False), max_positions)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         self.lm_head = PPMissingLayer()
         if self.model.parallel.is_last_stage:
