@@ -20,7 +20,10 @@ one point (``--structured``) also runs with every sequence constrained by a JSON
 Reported, as medians over the timed steps:
 
 - host ms: a step's wall time minus the time spent inside the simulated device, at D = 0.
-  This is the work a GPU would wait on if nothing overlapped it;
+  This is the work a GPU would wait on if nothing overlapped it. With async scheduling
+  (``--scheduling async``: each step is launched on the executor's step thread before the one
+  before is processed) it is the period at D = 0: the host's work per step, spread over the
+  engine's thread and the step thread;
 - period at D: a step's wall time with the device busy D ms per step. Host work hidden
   behind the device gives period ~ max(D, host); host work that is not hidden gives
   period ~ D + host. The table also gives period / max(D, host): 1.0 when the host is
@@ -173,7 +176,8 @@ class Point:
     batch: int
     context: int
     variant: str
-    host_ms: float = math.nan  # at D = 0: wall - time inside the simulated device
+    scheduling: str = "sync"  # or "async" (EngineConfig.async_scheduling)
+    host_ms: float = math.nan  # at D = 0: wall - time inside the simulated device (async: the period)
     period_ms: dict[str, float] = field(default_factory=dict)  # str(D) -> median step wall time
     device_ms_elapsed: dict[str, float] = field(default_factory=dict)  # str(D) -> median device time
     steps_ms: dict[str, list[float]] = field(default_factory=dict)  # str(D) -> every step's wall time
@@ -200,7 +204,7 @@ def run_point(engine: LLMEngine, device: SimulatedDevice, batch: int, context: i
     device.device_ms = 0.0
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()  # the prefill (and each sequence's first token)
-    point = Point(batch, context, variant)
+    point = Point(batch, context, variant, "async" if engine.async_scheduling else "sync")
     for d in [0.0, *device_ms]:
         device.device_ms = d
         walls, busy = [], []
@@ -224,13 +228,15 @@ def run_point(engine: LLMEngine, device: SimulatedDevice, batch: int, context: i
         point.period_ms[key] = statistics.median(walls) * 1e3
         point.device_ms_elapsed[key] = statistics.median(busy) * 1e3
         if d == 0.0:
-            point.host_ms = statistics.median(w - b for w, b in zip(walls, busy)) * 1e3
+            point.host_ms = (statistics.median(walls) if engine.async_scheduling
+                             else statistics.median(w - b for w, b in zip(walls, busy))) * 1e3
     point.load_average = os.getloadavg()[0]
     engine.abort_request(ids)
     return point
 
 
-def build_engine(checkpoint: Path, max_batch: int, max_context: int, max_decode: int) -> LLMEngine:
+def build_engine(checkpoint: Path, max_batch: int, max_context: int, max_decode: int,
+                 async_scheduling: bool = False) -> LLMEngine:
     """max_decode: decode steps after the prefill; sequences prefilled first also decode while
     the others prefill, up to one token per prefill step."""
     budget = max(PREFILL_BUDGET, max_batch)
@@ -240,18 +246,18 @@ def build_engine(checkpoint: Path, max_batch: int, max_context: int, max_decode:
         model=str(checkpoint), dtype="float32", device="cpu", distributed_executor_backend="uni",
         enforce_eager=True, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_model_len=max_model_len,
         max_num_seqs=max(max_batch, 1), max_num_batched_tokens=budget,
-        grammar_compile_workers=2))
+        grammar_compile_workers=2, async_scheduling=async_scheduling))
 
 
 def markdown_table(points: list[Point], device_ms: list[float]) -> str:
-    head = "| batch | context | sampling | host ms / step |"
-    rule = "|---|---|---|---|"
+    head = "| batch | context | sampling | scheduling | host ms / step |"
+    rule = "|---|---|---|---|---|"
     for d in device_ms:
         head += f" period at D = {d:g} ms | period / max(D, host) |"
         rule += "---|---|"
     lines = [head, rule]
     for p in points:
-        line = f"| {p.batch} | {p.context:,} | {p.variant} | {p.host_ms:.2f} |"
+        line = f"| {p.batch} | {p.context:,} | {p.variant} | {p.scheduling} | {p.host_ms:.2f} |"
         for d in device_ms:
             period = p.period_ms[f"{d:g}"]
             line += f" {period:.2f} | {period / max(d, p.host_ms):.2f} |"
@@ -274,6 +280,8 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
                         help=f"sampling at every point, of {', '.join(VARIANTS[:2])}")
     parser.add_argument("--structured", default="64x1024",
                         help="BxC: the point that also runs with a JSON Schema on every sequence ('' for none)")
+    parser.add_argument("--scheduling", type=lambda s: s.split(","), default=["sync", "async"],
+                        help="comma-separated: sync and/or async (async scheduling), each a run of the matrix")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per D")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before each D")
     parser.add_argument("--max-seconds", type=float, default=8.0,
@@ -283,6 +291,8 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
     args = parser.parse_args(argv)
     if not all(v in VARIANTS[:2] for v in args.variants):
         parser.error(f"--variants takes {', '.join(VARIANTS[:2])}")
+    if not args.scheduling or not set(args.scheduling) <= {"sync", "async"}:
+        parser.error("--scheduling takes sync, async or both")
     if any(x < 1 for x in args.batches + args.contexts) or args.steps < 1 or args.warmup < 0:
         parser.error("batches, contexts and --steps must be positive, --warmup not negative")
     plan = [(b, c, v) for b in args.batches for c in args.contexts for v in args.variants]
@@ -301,21 +311,22 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="host-overhead-") as scratch:
         checkpoint = args.checkpoint or make_checkpoint(Path(scratch))
-        engine = build_engine(checkpoint, max_batch, max_context, max_decode)
-        try:
-            runner = engine.executor.worker.runner
-            device = SimulatedDevice(runner, engine.config.max_num_batched_tokens)
-            points = []
-            for i, (b, c, v) in enumerate(plan):
-                start = time.perf_counter()
-                points.append(run_point(engine, device, b, c, v, args.device_ms, args.steps, args.warmup,
-                                    args.max_seconds, seed=i))
-                print(f"# {b} x {c:,} {v}: host {points[-1].host_ms:.2f} ms/step "
-                      f"({time.perf_counter() - start:.1f} s, load {points[-1].load_average:.2f})",
-                      file=sys.stderr, flush=True)
-            kv_mib = engine.block_manager.num_blocks * runner.kv_bytes_per_block() / 2 ** 20
-        finally:
-            engine.shutdown()
+        points = []
+        for scheduling in args.scheduling:
+            engine = build_engine(checkpoint, max_batch, max_context, max_decode, scheduling == "async")
+            try:
+                runner = engine.executor.worker.runner
+                device = SimulatedDevice(runner, engine.config.max_num_batched_tokens)
+                for i, (b, c, v) in enumerate(plan):
+                    start = time.perf_counter()
+                    points.append(run_point(engine, device, b, c, v, args.device_ms, args.steps, args.warmup,
+                                            args.max_seconds, seed=i))
+                    print(f"# {b} x {c:,} {v} {scheduling}: host {points[-1].host_ms:.2f} ms/step "
+                          f"({time.perf_counter() - start:.1f} s, load {points[-1].load_average:.2f})",
+                          file=sys.stderr, flush=True)
+                kv_mib = engine.block_manager.num_blocks * runner.kv_bytes_per_block() / 2 ** 20
+            finally:
+                engine.shutdown()
 
     machine = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                "torch": torch.__version__, "python": platform.python_version(),

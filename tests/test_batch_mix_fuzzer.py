@@ -27,8 +27,8 @@ from backend.types.config import EngineConfig
 
 FUZZ_BATCHES_CI = 320
 # name -> its share of FUZZ_BATCHES_CI
-CI_SHARE = {"fp32-eager-ngram-tight": 100, "fp32-graphs": 100, "bf16-graphs-ngram": 40,
-            "bf16-eager-no-prefix-cache": 40, "fp16-eager-fp8-kv": 40}
+CI_SHARE = {"fp32-eager-ngram-tight": 100, "fp32-graphs": 60, "fp32-graphs-async-tight": 40,
+            "bf16-graphs-ngram": 40, "bf16-eager-no-prefix-cache": 40, "fp16-eager-fp8-kv": 40}
 MAX_MODEL_LEN = 64
 EOS = 2  # the tiny tokenizer's <|im_end|>: a random model samples it now and then
 
@@ -41,6 +41,9 @@ ENGINES = {
                                                         "prompt_lookup_max": 2}), True),
     "fp32-graphs": (dict(dtype="float32", enforce_eager=False, num_kv_blocks=160, max_num_seqs=8,
                          max_num_batched_tokens=64), True),
+    # Async scheduling (each step scheduled while the one before runs), with preemption and chunks.
+    "fp32-graphs-async-tight": (dict(dtype="float32", enforce_eager=False, async_scheduling=True, num_kv_blocks=40,
+                                     max_num_seqs=6, max_num_batched_tokens=24), True),
     "bf16-graphs-ngram": (dict(dtype="bfloat16", enforce_eager=False, num_kv_blocks=48, max_num_seqs=8,
                                max_num_batched_tokens=32,
                                speculative_config={"method": "ngram", "num_speculative_tokens": 2,

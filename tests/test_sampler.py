@@ -246,8 +246,9 @@ def test_penalties_match_the_reference_formula():
 
 
 def test_penalty_history_gives_exactly_the_token_list_penalties_as_outputs_grow():
-    """The incremental counts (PenaltyHistory, updated by difference each step, slots freed and
-    reused, tables grown) give bit for bit what the token lists give, drafts before a row included."""
+    """The incremental counts (PenaltyHistory: a list read at first sight, then the sampled tokens
+    recorded each step; slots freed and reused, tables grown) give bit for bit what the token lists
+    give, drafts before a row included."""
     import dataclasses
     import random
 
@@ -260,8 +261,10 @@ def test_penalty_history_gives_exactly_the_token_list_penalties_as_outputs_grow(
     sequences = {f"s{i}": (rng.sample(range(vocab), rng.randint(1, 9)), [], kinds[i % len(kinds)])
                  for i in range(INITIAL_SLOTS + 5)}  # more than the first table holds
     for step in range(12):
-        for _, output, _ in sequences.values():
-            output.extend(rng.randrange(vocab) for _ in range(rng.randint(0, 2)))
+        for rid, (_, output, _) in sequences.items():
+            sampled = [rng.randrange(vocab) for _ in range(rng.randint(0, 2))]
+            output.extend(sampled)
+            history.record(rid, sampled)  # ignored before the sequence's first update
         if step == 6:  # some finish, new ones take their slots
             finished = [rid for rid in sequences if int(rid[1:]) % 3 == 0]
             history.release(finished)

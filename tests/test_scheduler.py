@@ -24,7 +24,7 @@ def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
     for sr in out.scheduled:
         req = s.requests[sr.request_id]
-        req.num_computed_tokens += sr.num_tokens
+        req.complete_step(sr.num_tokens, 0, sr.needs_sample)
         s.block_manager.cache_full_blocks(req, req.num_computed_tokens)
         if sr.needs_sample:
             req.append_output_token(token)

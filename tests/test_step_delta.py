@@ -47,7 +47,7 @@ def complete_step(scheduler: Scheduler, sched, rng: random.Random, max_outputs: 
         request = scheduler.requests[s.request_id]
         request.draft_token_ids = []
         accepted = rng.randint(0, s.num_draft_tokens) if s.needs_sample else 0
-        request.num_computed_tokens += s.num_tokens - (s.num_draft_tokens - accepted)
+        request.complete_step(s.num_tokens, s.num_draft_tokens - accepted, s.needs_sample)
         scheduler.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
                                                                request.num_tokens))
         if s.needs_sample:

@@ -138,13 +138,14 @@ class BlockManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[int] = ()) -> bool:
-        """Make room for ``num_new_tokens`` after the request's computed tokens.
+        """Make room for ``num_new_tokens`` after the request's computed and in-flight tokens.
 
         ``new_computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``)
         that start the block table of a request holding no blocks yet.
         """
         held = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = (request.num_computed_tokens + request.num_inflight_tokens
+                        + len(new_computed_blocks) * self.block_size)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_needed - len(held) - len(new_computed_blocks)
         # Hits that sit in the free list stop being free once touched.

@@ -47,6 +47,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled in steps whose results the engine has not processed yet (their KV is
+        # being computed), and tokens sampled there but not known yet (placeholders: at most one
+        # per step in flight). Both are 0 between steps of the synchronous engine.
+        self.num_inflight_tokens = 0
+        self.num_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained digests of full blocks, see BlockManager
@@ -76,6 +81,17 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+    def complete_step(self, num_scheduled: int, num_rejected: int, sampled: bool, stale: bool = False) -> None:
+        """A step's results for this sequence are in: ``num_scheduled`` tokens left flight and all
+        but ``num_rejected`` (drafts) are in the KV cache now; ``sampled``: its placeholder is
+        resolved (the caller appends the tokens). ``stale``: the sequence was preempted after
+        the step was scheduled, so its KV cache is gone and nothing counts as computed."""
+        if not stale:
+            self.num_inflight_tokens -= num_scheduled
+            self.num_computed_tokens += num_scheduled - num_rejected
+        if sampled:
+            self.num_placeholders -= 1
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

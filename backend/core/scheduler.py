@@ -14,7 +14,7 @@ from collections import deque
 
 from backend.core.block_manager import BlockManager
 from backend.core.request import Request, RequestStatus
-from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
+from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from backend.types.outputs import FinishReason
 
 
@@ -73,8 +73,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.draft_token_ids and num_new == request.num_tokens - request.num_computed_tokens:
+            left = _num_unscheduled(request)
+            if left <= 0 or (request.num_placeholders and self._at_length_limit(request)):
+                i += 1  # everything is in flight, or its last token is
+                continue
+            num_new = min(left, budget)
+            if request.draft_token_ids and num_new == left:
                 # Decoding with drafts: verify as many as the budget allows, after the last token.
                 del request.draft_token_ids[budget - num_new:]
                 num_new += len(request.draft_token_ids)
@@ -99,6 +103,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not num_preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.num_placeholders:  # preempted with a token in flight: wait until it is known
+                break
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.block_manager.get_computed_blocks(request)
@@ -129,23 +135,46 @@ class Scheduler:
         request.draft_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0  # an in-flight step's results for it keep only the token
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
+    def _at_length_limit(self, request: Request) -> bool:
+        """Whether the tokens in flight already take the sequence to its length limit."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and request.num_output_tokens + request.num_placeholders >= max_tokens:
+            return True
+        return request.num_tokens + request.num_placeholders >= self.max_model_len
+
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+        """The step's share of ``request`` (num_new tokens, drafts included); counts them in flight."""
+        start = request.num_computed_tokens + request.num_inflight_tokens
         drafts = request.draft_token_ids
         end = start + num_new - len(drafts)
-        return ScheduledRequest(
+        token_ids = request.all_token_ids[start:end]
+        if end > request.num_tokens:  # the token the step in flight samples (one at most)
+            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, request.num_tokens)))
+        needs_sample = end == request.num_tokens + request.num_placeholders
+        scheduled = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + drafts,
+            token_ids=token_ids + drafts,
             start_pos=start,
             block_ids=self.block_manager.block_ids(request.request_id),
-            needs_sample=end == request.num_tokens,
+            needs_sample=needs_sample,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
             num_draft_tokens=len(drafts),
+            num_output_tokens=request.num_output_tokens + request.num_placeholders,
         )
+        request.num_inflight_tokens += num_new
+        request.num_placeholders += needs_sample
+        return scheduled
+
+
+def _num_unscheduled(request: Request) -> int:
+    """Tokens of the sequence (placeholders included) neither computed nor in flight."""
+    return (request.num_tokens + request.num_placeholders
+            - request.num_computed_tokens - request.num_inflight_tokens)

@@ -19,6 +19,8 @@ from backend.core.request import Request
 from backend.core.scheduler import Scheduler
 from backend.core.spec_decode import NgramProposer
 from backend.core.structured_output.manager import GrammarViolation, StructuredOutputManager
+from backend.engine.inflight import InFlightStep
+from backend.messages.late_grammar import LateGrammar
 from backend.executor import create_executor
 from backend.models.resolve import resolve_config
 from backend.types.config import EngineConfig
@@ -85,10 +87,13 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self.speculative = config.speculative
         self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        self.async_scheduling = self.config.use_async_scheduling
+        self._inflight: Optional[InFlightStep] = None  # the step launched and not processed yet
         self.num_draft_tokens_total = 0  # speculative tokens proposed, and accepted
         self.num_accepted_tokens_total = 0
-        logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens (%s)", config.served_model_name,
-                    config.torch_dtype_name, num_blocks, config.block_size, config.kv_cache_dtype_name)
+        logger.info("Engine ready: %s, %s, %d KV blocks of %d tokens (%s)%s", config.served_model_name,
+                    config.torch_dtype_name, num_blocks, config.block_size, config.kv_cache_dtype_name,
+                    ", async scheduling" if self.async_scheduling else "")
 
     def _init_kv_cache(self) -> int:
         num_blocks = self.executor.determine_num_blocks()
@@ -236,36 +241,74 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
         """One engine step. A failure that belongs to one request (its grammar, sampling,
         logprobs, drafts, beam bookkeeping) ends that request with an error output and the step
-        goes on; only a failure of the step itself (the executor, a worker, the device) raises."""
-        outputs: list[EngineOutput] = []
+        goes on; only a failure of the step itself (the executor, a worker, the device) raises.
+
+        With async scheduling a call launches the next step, then processes the one launched
+        by the call before (the first call returns no outputs; ``has_unfinished_requests`` stays
+        true until the last step in flight is processed)."""
+        if self.async_scheduling:
+            return self._step_async()
         failed: dict[str, str] = {}  # internal sequence ID -> why it failed this step
         if self.proposer is not None:
             self._propose_drafts(failed)
+        step = InFlightStep(self.scheduler.schedule(), failed=failed)
+        if self.structured_output.has_matchers:
+            step.sched.grammar = self.structured_output.grammar_bitmask(
+                (s.request_id for s in step.sched.scheduled if s.needs_sample), step.failed)
+        return self._process(step, self.executor.execute_model(step.sched))
+
+    def _step_async(self) -> list[EngineOutput]:
+        """Launch step N+1, then process step N while it runs (see backend/engine/inflight.py)."""
         sched = self.scheduler.schedule()
-        constrained = self.structured_output.has_matchers
-        if constrained:
-            sched.grammar = self.structured_output.grammar_bitmask(
-                (s.request_id for s in sched.scheduled if s.needs_sample), failed)
-        runner_out = self.executor.execute_model(sched)
+        launched = None
+        if sched.scheduled or sched.finished_request_ids:
+            requests = self.scheduler.requests
+            launched = InFlightStep(sched, epochs={s.request_id: requests[s.request_id].num_preemptions
+                                                   for s in sched.scheduled})
+            if sched.scheduled and self.structured_output.has_matchers:
+                launched.grammar = sched.grammar = LateGrammar()
+            launched.future = self.executor.execute_model_async(sched)
+        previous, self._inflight = self._inflight, launched
+        try:
+            return self._process(previous, previous.future.result()) if previous is not None else []
+        finally:  # the runner waits on the grammar to sample: it is always resolved
+            if launched is not None and launched.grammar is not None:
+                self._fill_late_grammar(launched)
+
+    def _fill_late_grammar(self, step: InFlightStep) -> None:
+        """Step N+1's allowed tokens, now that step N's tokens advanced the grammars."""
+        bitmask = None
+        try:
+            bitmask = self.structured_output.grammar_bitmask(
+                (s.request_id for s in step.sched.scheduled if s.needs_sample), step.failed)
+        finally:
+            step.grammar.set_result(bitmask)
+
+    def _process(self, step: InFlightStep, runner_out) -> list[EngineOutput]:
+        """Apply a step's results: each sequence's tokens, stops and outputs; beam rounds."""
+        outputs: list[EngineOutput] = []
+        failed = step.failed
         failed.update(runner_out.failed)
+        constrained = self.structured_output.has_matchers
         finished_rounds: list[BeamSearch] = []
         now = time.monotonic()
-        for s in sched.scheduled:
+        for s in step.sched.scheduled:
             request = self.scheduler.requests.get(s.request_id)
-            if request is None:  # a sibling failed earlier in this step and took it along
+            if request is None:  # ended since it was scheduled (a sibling failed, it stopped, an abort)
                 continue
             if s.request_id in failed:
                 outputs.extend(self._fail_request(request.parent_id, failed[s.request_id]))
                 continue
+            stale = step.epochs.get(s.request_id, request.num_preemptions) != request.num_preemptions
             try:
-                self._update(request, s, runner_out, constrained, now, outputs, finished_rounds)
+                self._update(request, s, runner_out, constrained, now, outputs, finished_rounds, stale)
             except Exception as error:  # noqa: BLE001 -- this request's bookkeeping: it alone ends
                 logger.exception("Updating request %r failed", request.parent_id)
                 outputs.extend(self._fail_request(request.parent_id, _failure_message(error)))
@@ -284,21 +327,24 @@ class LLMEngine:
         return outputs
 
     def _update(self, request: Request, s, runner_out, constrained: bool, now: float,
-                outputs: list[EngineOutput], finished_rounds: list[BeamSearch]) -> None:
-        """Apply one scheduled request's step results: computed tokens, sampled tokens, stops."""
+                outputs: list[EngineOutput], finished_rounds: list[BeamSearch], stale: bool = False) -> None:
+        """Apply one scheduled request's step results: computed tokens, sampled tokens, stops.
+        ``stale``: preempted since the step was scheduled (only its sampled token counts)."""
         request.draft_token_ids = []
-        if request.num_computed_tokens + s.num_tokens <= request.num_prompt_tokens:
+        if s.start_pos + s.num_tokens <= request.num_prompt_tokens:
             self.num_prompt_tokens_total += s.num_tokens
         if s.request_id in runner_out.prompt_logprobs:
             self._record_prompt_logprobs(request, *runner_out.prompt_logprobs[s.request_id])
         if not s.needs_sample:
-            request.num_computed_tokens += s.num_tokens
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            request.complete_step(s.num_tokens, 0, False, stale)
+            if not stale:
+                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             return
         search = self.beams.get(request.parent_id) if self.beams else None
         if search is not None:  # a beam's one-token child (no drafts): its logprobs are the candidates
-            request.num_computed_tokens += s.num_tokens
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)  # for the next round
+            request.complete_step(s.num_tokens, 0, True, stale)
+            if not stale:
+                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)  # for the next round
             self.num_generation_tokens_total += 1
             self._finish(request, FinishReason.LENGTH)
             if search.record(request.request_id, runner_out.logprobs[s.request_id][0]):
@@ -316,9 +362,10 @@ class LLMEngine:
                 break
         # The KV cache now holds every scheduled token but the rejected drafts.
         rejected = s.num_draft_tokens - (len(runner_out.sampled_token_ids[s.request_id]) - 1)
-        request.num_computed_tokens += s.num_tokens - rejected
-        self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
-                                                          request.num_tokens))
+        request.complete_step(s.num_tokens, rejected, True, stale)
+        if not stale:
+            self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
+                                                              request.num_tokens))
         self.num_generation_tokens_total += len(new_tokens)
         self.num_draft_tokens_total += s.num_draft_tokens
         self.num_accepted_tokens_total += s.num_draft_tokens - rejected
@@ -428,5 +475,13 @@ class LLMEngine:
                           self.block_manager.usage)
 
     def shutdown(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:  # let the worker finish the step it runs
+            if inflight.grammar is not None and not inflight.grammar.done():
+                inflight.grammar.set_result(None)
+            try:
+                inflight.future.result()
+            except Exception:  # noqa: BLE001 -- shutting down: its error was or will be reported
+                logger.debug("The step in flight at shutdown failed", exc_info=True)
         self.structured_output.shutdown()
         self.executor.shutdown()

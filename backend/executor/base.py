@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from backend.messages.runner_output import ModelRunnerOutput
@@ -41,6 +42,16 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; returns the output rank's output."""
+
+    def execute_model_async(self, sched: SchedulerOutput) -> Future:
+        """Launch one step; its ``ModelRunnerOutput`` comes in the future. Steps run in the order
+        launched. Here the step runs before this returns; executors that overlap override it."""
+        future: Future = Future()
+        try:
+            future.set_result(self.execute_model(sched))
+        except BaseException as error:  # noqa: BLE001 -- handed to whoever waits on the step
+            future.set_exception(error)
+        return future
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit on every worker (the minimum over workers)."""

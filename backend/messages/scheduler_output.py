@@ -11,13 +11,19 @@ from typing import Any, Optional
 
 from backend.types.sampling_params import SamplingParams
 
+# Stands in ``ScheduledRequest.token_ids`` for a token sampled by the step still in flight (async
+# scheduling): the model runner puts that step's sampled token in its place.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
     """One request's share of a step, as the model runner needs it (read-only there)."""
 
     request_id: str
-    token_ids: list[int]  # the tokens to compute this step; the last num_draft_tokens are drafts
+    # The tokens to compute this step; the last num_draft_tokens are drafts. With async scheduling
+    # the last may be PLACEHOLDER_TOKEN_ID: the token this sequence samples in the step before.
+    token_ids: list[int]
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
     # The request's whole block table. While it is the same list object it only grows by appending;
     # a table rebuilt (after a preemption) is a new list (the runner's BlockTables rely on it).
@@ -28,6 +34,13 @@ class ScheduledRequest:
     output_token_ids: list[int]
     eos_token_id: Optional[int]
     num_draft_tokens: int = 0  # speculative tokens to verify after the request's last token
+    # Output tokens before this step's sample (placeholders included), fixed when scheduled:
+    # ``output_token_ids`` may still grow meanwhile (async scheduling). None: its length.
+    num_output_tokens: Optional[int] = None
+
+    @property
+    def num_prior_outputs(self) -> int:
+        return len(self.output_token_ids) if self.num_output_tokens is None else self.num_output_tokens
 
     @property
     def num_tokens(self) -> int:

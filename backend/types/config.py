@@ -80,6 +80,10 @@ FIELD_HELP = {
                           '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\' (default: off)',
     "grammar_compile_timeout_s": "seconds a structured-output grammar may take to compile (in a worker "
                                  "process, killed past it); then the request gets a 400",
+    "async_scheduling": "schedule and prepare each step while the one before runs on the device, "
+                        "hiding the host's work (one worker only; not with speculative decoding). "
+                        "(default: on with CUDA; off on the CPU, where the model and the engine's "
+                        "host work share the same cores)",
     "grammar_compile_workers": "worker processes compiling structured-output grammars at once "
                                "(each ~300 MB; two or more, so one slow grammar never holds up another)",
 }
@@ -203,6 +207,9 @@ class EngineConfig:
     # CPU, while a grammar bomb holds a worker no longer than that.
     grammar_compile_timeout_s: float = 20.0
     grammar_compile_workers: int = 2
+    # Schedule step N+1 while step N runs (backend/engine/inflight.py). None: on with CUDA and one
+    # worker, off on the CPU (see FIELD_HELP).
+    async_scheduling: Optional[bool] = None
 
     # Filled in by backend.models.resolve.resolve_config (which needs the checkpoint and torch).
     model_path: Optional[Path] = field(default=None, repr=False)
@@ -251,6 +258,22 @@ class EngineConfig:
             bad("distributed_executor_backend",
                 f"distributed_executor_backend must be one of {', '.join(EXECUTORS)}; "
                 f"got {self.distributed_executor_backend!r}.")
+
+        if self.async_scheduling:
+            if self.speculative_config is not None:
+                bad("async_scheduling", "async_scheduling does not work with speculative decoding "
+                    "(speculative_config): drafts are proposed from the tokens of the step before.")
+            if self.world_size > 1 or self.distributed_executor_backend not in (None, "uni"):
+                bad("async_scheduling", "async_scheduling needs a single worker (the uni executor); "
+                    "turn it off for tensor or pipeline parallelism and other executors.")
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """Whether the engine schedules ahead (resolved: the default depends on the device)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return (self.device_type == "cuda" and self.executor_backend == "uni"
+                and self.speculative_config is None)
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:

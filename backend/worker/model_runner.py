@@ -15,7 +15,8 @@ import torch
 from tandem_kernels import ops as kernels
 from backend.distributed import get_parallel_state, pp_recv, pp_send
 from backend.messages.runner_output import ModelRunnerOutput
-from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
+from backend.messages.late_grammar import resolve_grammar
+from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from backend.models.attention import Attention, AttentionMetadata
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
@@ -59,6 +60,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.penalty_history: Optional[PenaltyHistory] = None  # made at the first penalized request
         self.block_tables = BlockTables()  # each running sequence's table, extended step by step
+        # Each sequence's last sampled token: what a placeholder in its next step's tokens stands for.
+        self.last_sampled: dict[str, int] = {}
         # Graphs of decode steps (cuda_graphs.py; None: every step eager; always so with enforce_eager).
         # Not captured over several workers: collectives inside a graph are not set up (yet).
         self.graph_cls = (None if config.enforce_eager or self.parallel.world_size > 1
@@ -203,6 +206,9 @@ class ModelRunner:
             start, n = s.start_pos, s.num_tokens
             end = start + n
             input_ids.extend(s.token_ids)
+            if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:  # sampled by the step before (async scheduling)
+                # A sequence whose sampling failed there has ended: its row is computed, then dropped.
+                input_ids[-1] = self.last_sampled.get(s.request_id, 0)
             positions.extend(range(start, end))
             pos = start
             while pos < end:  # slots run contiguously inside each block
@@ -272,6 +278,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+            self.last_sampled.pop(request_id, None)
         self.block_tables.release(sched.finished_request_ids)
         if self.penalty_history is not None:
             self.penalty_history.release(sched.finished_request_ids)
@@ -299,8 +306,19 @@ class ModelRunner:
             index = [i for _, i, _ in inputs.sample_rows]
             if index != list(range(len(inputs.logits_rows))):
                 logits = logits.index_select(0, torch.tensor(index, device=self.device))
-            self._sample(logits, inputs.sample_rows, sched.grammar, out)
+            self._sample(logits, inputs.sample_rows, resolve_grammar(sched.grammar), out)
+            self._record_sampled(out)
         return out
+
+    def _record_sampled(self, out: ModelRunnerOutput) -> None:
+        """Keep each sequence's last token (for placeholders) and count penalized ones' tokens."""
+        history = self.penalty_history
+        for request_id, tokens in out.sampled_token_ids.items():
+            self.last_sampled[request_id] = tokens[-1]
+            if history is not None:
+                history.record(request_id, tokens)
+        for request_id in out.failed:
+            self.last_sampled.pop(request_id, None)
 
     def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[ScheduledRequest, int, int]],
                 grammar, out: ModelRunnerOutput) -> None:
@@ -353,8 +371,8 @@ class ModelRunner:
             return {}
         if self.penalty_history is None:
             self.penalty_history = PenaltyHistory(vocab_size, self.device)
-        slots = self.penalty_history.update([(s.request_id, s.prompt_token_ids, s.output_token_ids)
-                                             for s in penalized])
+        slots = self.penalty_history.update([(s.request_id, s.prompt_token_ids,
+                                              s.output_token_ids[:s.num_prior_outputs]) for s in penalized])
         return {s.request_id: slot for s, slot in zip(penalized, slots)}
 
     def _sampling_row(self, s: ScheduledRequest, draft_offset: int, penalty_slots: dict[str, int]) -> SamplingRow:
@@ -362,7 +380,7 @@ class ModelRunner:
         return SamplingRow(params=s.sampling_params, prompt_token_ids=s.prompt_token_ids,
                            output_token_ids=_history(s, draft_offset), eos_token_id=s.eos_token_id,
                            generator=self._generator(s), penalty_slot=penalty_slots.get(s.request_id),
-                           extra_history=drafts)
+                           extra_history=drafts, num_output_tokens=s.num_prior_outputs + draft_offset)
 
     @staticmethod
     def _take_tokens(s: ScheduledRequest, sampled, first: int, count: int, out: ModelRunnerOutput) -> None:
@@ -397,4 +415,4 @@ def _history(s: ScheduledRequest, draft_offset: int) -> list[int]:
     """The output tokens before sample row ``draft_offset`` of a request (drafts before it count)."""
     if not draft_offset:
         return s.output_token_ids
-    return s.output_token_ids + s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:draft_offset]
+    return s.output_token_ids[:s.num_prior_outputs] + s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:draft_offset]

@@ -9,9 +9,11 @@ sequence that asks for a penalty gets a slot, a row of two persistent tables::
     output_counts  [slots, vocab] int32  how often each output token occurred, + the new ones each step
 
 so a step costs O(new tokens) to update and one gather of the penalized rows. A slot is freed when
-its sequence finishes; the tables grow (doubling) when every slot is taken. Output tokens are only
-ever appended (a preemption keeps them; rejected drafts never join), which is what makes the
-difference enough.
+its sequence finishes; the tables grow (doubling) when every slot is taken. A sequence's outputs
+are counted once from its list when it first samples here, then from the runner's own sampled
+tokens (``record``): output tokens are only ever appended (a preemption keeps them; rejected drafts
+never join; a sequence whose tokens the engine cuts short has ended), and the runner never reads a
+list the engine may be appending to meanwhile (async scheduling).
 """
 
 from __future__ import annotations
@@ -32,46 +34,55 @@ class PenaltyHistory:
         self.prompt_seen = torch.zeros(INITIAL_SLOTS, vocab_size, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(INITIAL_SLOTS, vocab_size, dtype=torch.int32, device=device)
         self.slot_of: dict[str, int] = {}
-        self.num_counted: dict[str, int] = {}  # output tokens already in output_counts
+        self._pending_slots: list[int] = []  # tokens to count at the next update: their slots,
+        self._pending_tokens: list[int] = []  # and the tokens
         self.free_slots = list(range(INITIAL_SLOTS - 1, -1, -1))
 
     def update(self, sequences: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[int]:
-        """(request ID, prompt token IDs, output token IDs) of each penalized sequence this step ->
-        their slots, with every output token counted. Tokens outside the vocabulary (an EOS or stop
-        ID the logits do not cover cannot be sampled, so they never appear) are not expected."""
+        """(request ID, prompt token IDs, output token IDs before this step) of each penalized
+        sequence this step -> their slots, with every output token counted (the lists are read
+        only for a sequence seen for the first time). Tokens outside the vocabulary (an EOS or
+        stop ID the logits do not cover cannot be sampled, so they never appear) are not expected."""
         slots: list[int] = []
-        new_slots: list[int] = []
-        new_tokens: list[int] = []
         for request_id, prompt, output in sequences:
             slot = self.slot_of.get(request_id)
             if slot is None:
                 slot = self._take_slot()
                 self.slot_of[request_id] = slot
-                self.num_counted[request_id] = 0
                 self.prompt_seen[slot].zero_()
                 self.output_counts[slot].zero_()
                 if prompt:
                     self.prompt_seen[slot, torch.tensor(list(prompt), device=self.device)] = True
-            counted = self.num_counted[request_id]
-            if len(output) > counted:
-                fresh = output[counted:]
-                new_slots.extend([slot] * len(fresh))
-                new_tokens.extend(fresh)
-                self.num_counted[request_id] = len(output)
+                self._pending_slots.extend([slot] * len(output))
+                self._pending_tokens.extend(output)
             slots.append(slot)
-        if new_tokens:
-            index = (torch.tensor(new_slots, device=self.device), torch.tensor(new_tokens, device=self.device))
-            self.output_counts.index_put_(index, torch.ones(len(new_tokens), dtype=torch.int32, device=self.device),
-                                          accumulate=True)
+        self._flush()
         return slots
+
+    def record(self, request_id: str, tokens: Sequence[int]) -> None:
+        """A step's sampled tokens of a sequence (ignored unless it holds a slot): counted at the
+        next ``update``, before any later step samples."""
+        slot = self.slot_of.get(request_id)
+        if slot is not None:
+            self._pending_slots.extend([slot] * len(tokens))
+            self._pending_tokens.extend(tokens)
+
+    def _flush(self) -> None:
+        if self._pending_tokens:
+            index = (torch.tensor(self._pending_slots, device=self.device),
+                     torch.tensor(self._pending_tokens, device=self.device))
+            self.output_counts.index_put_(index, torch.ones(len(self._pending_tokens), dtype=torch.int32,
+                                                            device=self.device), accumulate=True)
+            self._pending_slots, self._pending_tokens = [], []
 
     def release(self, request_ids) -> None:
         """Free the slots of finished sequences (unknown IDs are ignored)."""
         for request_id in request_ids:
             slot = self.slot_of.pop(request_id, None)
             if slot is not None:
-                del self.num_counted[request_id]
                 self.free_slots.append(slot)
+        if self._pending_tokens:  # a freed slot's pending tokens must not land in its next sequence
+            self._flush()
 
     def gather(self, slots: list[int], extra_tokens: Sequence[Sequence[int]],
                need_seen: bool) -> tuple[torch.Tensor | None, torch.Tensor]:

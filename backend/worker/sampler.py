@@ -47,6 +47,8 @@ class SamplingRow:
     generator: Optional[torch.Generator] = None
     penalty_slot: Optional[int] = None
     extra_history: Sequence[int] = ()
+    # Outputs before this row's token, when ``output_token_ids`` may hold more (None: its length).
+    num_output_tokens: Optional[int] = None
 
     @property
     def has_penalties(self) -> bool:
@@ -54,7 +56,8 @@ class SamplingRow:
 
     @property
     def below_min_tokens(self) -> bool:
-        return len(self.output_token_ids) < self.params.min_tokens
+        count = len(self.output_token_ids) if self.num_output_tokens is None else self.num_output_tokens
+        return count < self.params.min_tokens
 
 
 @dataclass

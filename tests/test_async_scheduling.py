@@ -1,0 +1,216 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens are processed) is exact.
+
+Every sequence's tokens, finish reasons and logprobs are the same with it on and off, in a batch
+mixing every request feature, with preemption and chunked prefill forced; a sequence that stops
+(stop token, EOS, max_tokens, grammar end, abort) never returns a token past its end; aborts while
+a step is in flight free every block. The batch-mix fuzzer runs a configuration with it too.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from backend.engine.llm_engine import LLMEngine
+from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.outputs import FinishReason
+from backend.types.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 50)), [7] * 9, [30, 31, 32, 33]]
+EOS = 2
+
+
+def make_engine(checkpoint, async_scheduling: bool, **kwargs) -> LLMEngine:
+    arguments = dict(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=26,
+                     max_model_len=96, max_num_seqs=6, max_num_batched_tokens=24, seed=0,
+                     async_scheduling=async_scheduling)
+    arguments.update(kwargs)
+    return LLMEngine(EngineConfig(**arguments))
+
+
+def mixed_requests(stop_id: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Every request feature whose tokens are deterministic (seeded when random); ``stop_id``:
+    a token the greedy "stop-token" sequence produces a few tokens in."""
+    greedy = dict(temperature=0.0)
+    specs = [
+        ("plain", PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True, **greedy)),
+        ("eos", PROMPTS[1], SamplingParams(max_tokens=40, **greedy)),
+        ("stop-token", PROMPTS[2], SamplingParams(max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True,
+                                                  **greedy)),
+        ("penalties", PROMPTS[3], SamplingParams(max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.4,
+                                                 presence_penalty=0.3, ignore_eos=True, **greedy)),
+        ("min-tokens", PROMPTS[4], SamplingParams(max_tokens=12, min_tokens=8, stop_token_ids=[9], **greedy)),
+        ("seeded", PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=20, seed=7,
+                                              ignore_eos=True)),
+        ("n2", PROMPTS[1], SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)),
+        ("logprobs", PROMPTS[2], SamplingParams(max_tokens=8, logprobs=3, prompt_logprobs=2, **greedy)),
+        ("regex", PROMPTS[3], SamplingParams(max_tokens=30, structured_outputs={"regex": r"[0-9]{2}-[a-z]{2}"},
+                                             **greedy)),
+        ("choice", PROMPTS[4], SamplingParams(max_tokens=30, structured_outputs={"choice": ["Paris", "Lyon"]},
+                                              **greedy)),
+        ("beam", PROMPTS[0], SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True)),
+        ("one-token", PROMPTS[4], SamplingParams(max_tokens=1, **greedy)),
+    ]
+    return specs
+
+
+def run(engine: LLMEngine, specs, abort_after: dict[str, int] | None = None, max_steps: int = 3000) -> dict:
+    """Add every request, step until idle: client ID -> {index: (tokens, finish reason, logprobs)}."""
+    for request_id, prompt, params in specs:
+        engine.add_request(request_id, prompt, params)
+    results: dict = {}
+    for step in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for request_id, at in (abort_after or {}).items():
+            if step == at:
+                engine.abort_request([request_id])
+        for out in engine.step():
+            tokens, reason, logprobs = results.setdefault(out.request_id, {}).setdefault(out.index, ([], [None], []))
+            assert reason[0] is None, f"{out.request_id}[{out.index}] got output after it finished"
+            tokens += out.new_token_ids
+            logprobs += out.new_logprobs or []
+            reason[0] = out.finish_reason
+    assert not engine.has_unfinished_requests(), "the engine did not drain"
+    return {rid: {i: (tokens, reason[0], logprobs) for i, (tokens, reason, logprobs) in seqs.items()}
+            for rid, seqs in results.items()}
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.children and not engine.beams and not engine.structured_output.has_matchers
+    assert engine._inflight is None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import json
+
+    from conftest import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-async"), "llama", seed=1)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = EOS  # a random model samples it now and then: EOS stops matter
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_outputs_are_identical_with_async_scheduling_on_and_off(checkpoint, enforce_eager):
+    engine = make_engine(checkpoint, False, enforce_eager=enforce_eager)
+    try:
+        probe = run(engine, [("p", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))])
+    finally:
+        engine.shutdown()
+    specs = mixed_requests(stop_id=probe["p"][0][0][4])
+    outcomes = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(checkpoint, async_scheduling, enforce_eager=enforce_eager)
+        try:
+            assert engine.async_scheduling is async_scheduling
+            outcomes[async_scheduling] = run(engine, specs)
+            assert engine.scheduler.num_preemptions_total > 0, "the cache is meant to force preemptions"
+            assert_idle(engine)
+        finally:
+            engine.shutdown()
+    sync, pipelined = outcomes[False], outcomes[True]
+    assert sync.keys() == pipelined.keys() == {rid for rid, _, _ in specs}
+    for request_id in sync:
+        assert pipelined[request_id] == sync[request_id], request_id
+    # The stops the batch is meant to exercise did happen (else the comparison proves less).
+    assert sync["stop-token"][0][1] == FinishReason.STOP and len(sync["stop-token"][0][0]) <= 5
+    assert sync["one-token"][0][1] == FinishReason.LENGTH and len(sync["one-token"][0][0]) == 1
+    assert all(len(tokens) <= 12 for tokens, _, _ in sync["min-tokens"].values())
+
+
+def test_steps_overlap_and_placeholders_carry_the_tokens_in_flight(checkpoint):
+    """The next step is launched before the last is processed (on a thread of its own), and its
+    placeholder inputs get the tokens the step before sampled."""
+    engine = make_engine(checkpoint, True)
+    runner = engine.executor.worker.runner
+    seen = {"placeholders": 0, "threads": set()}
+    prepare = runner._prepare_inputs
+
+    def spying_prepare(scheduled):
+        seen["placeholders"] += sum(s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduled)
+        seen["threads"].add(threading.get_ident())
+        inputs = prepare(scheduled)
+        assert int(inputs.input_ids.min()) >= 0, "a placeholder reached the model"
+        return inputs
+
+    runner._prepare_inputs = spying_prepare
+    try:
+        engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        assert engine.step() == []  # the first call only launches
+        assert engine._inflight is not None and engine.has_unfinished_requests()
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        assert len(tokens) == 10
+        assert seen["placeholders"] >= 8
+        assert seen["threads"] and threading.get_ident() not in seen["threads"]
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_aborts_while_a_step_is_in_flight_free_everything_and_stop_the_outputs(checkpoint):
+    engine = make_engine(checkpoint, True)
+    try:
+        specs = [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+                 for i in range(6)]
+        # Aborted at different points: before the first launch is processed, mid-prefill, mid-decode.
+        results = run(engine, specs, abort_after={"r0": 1, "r1": 2, "r2": 5, "r3": 9})
+        for request_id in ("r0", "r1", "r2", "r3"):
+            for tokens, reason, _ in results.get(request_id, {}).values():
+                assert reason is None and len(tokens) < 40
+        for request_id in ("r4", "r5"):
+            assert results[request_id][0][1] == FinishReason.LENGTH and len(results[request_id][0][0]) == 40
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_stop_at_step_n_drops_the_token_step_n_plus_1_computed(checkpoint):
+    """The sequence stops on its stop token; the pipeline had already launched its next token,
+    which is computed and dropped: the output ends at the stop token."""
+    engine = make_engine(checkpoint, False)
+    try:
+        free = run(engine, [("probe", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))])
+    finally:
+        engine.shutdown()
+    probe = free["probe"][0][0]
+    stop = probe[5]
+    first = probe.index(stop)
+    engine = make_engine(checkpoint, True)
+    try:
+        stopped = run(engine, [("s", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                                 stop_token_ids=[stop]))])
+        tokens, reason, _ = stopped["s"][0]
+        assert tokens == probe[:first + 1] and reason == FinishReason.STOP
+        assert engine.num_generation_tokens_total == first + 1  # the dropped token is not counted
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_async_scheduling_refuses_what_it_cannot_do():
+    with pytest.raises(InvalidRequestError, match="speculative"):
+        EngineConfig(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(InvalidRequestError, match="single worker"):
+        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(InvalidRequestError, match="single worker"):
+        EngineConfig(async_scheduling=True, distributed_executor_backend="mp")
+    # The default: off on the CPU, on with CUDA and one worker.
+    config = EngineConfig()
+    config.device_type = "cpu"
+    assert not config.use_async_scheduling
+    config.device_type = "cuda"
+    assert config.use_async_scheduling
