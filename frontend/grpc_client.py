@@ -120,7 +120,7 @@ def sampling_params_to_proto(params: SamplingParams) -> engine_pb2.SamplingParam
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
         logprob_token_ids=params.logprob_token_ids or (), use_beam_search=params.use_beam_search,
-        length_penalty=params.length_penalty)
+        length_penalty=params.length_penalty, logit_bias=params.logit_bias or {})
     # None means "unset" on the wire, which is these fields' None on the backend.
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
