@@ -226,3 +226,45 @@ class GetMetricsResponse(_message.Message):
     PROMETHEUS_TEXT_FIELD_NUMBER: _ClassVar[int]
     prometheus_text: str
     def __init__(self, prometheus_text: _Optional[str] = ...) -> None: ...
+
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("requests", "abort_request_ids")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[StreamedGenerateRequest]
+    abort_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, requests: _Optional[_Iterable[_Union[StreamedGenerateRequest, _Mapping]]] = ..., abort_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StreamedGenerateRequest(_message.Message):
+    __slots__ = ("request", "timeout_ms")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    timeout_ms: int
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestDeltas]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestDeltas, _Mapping]]] = ...) -> None: ...
+
+class RequestDeltas(_message.Message):
+    __slots__ = ("request_id", "responses", "status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    status: RequestStatus
+    def __init__(self, request_id: _Optional[str] = ..., responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., status: _Optional[_Union[RequestStatus, _Mapping]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("code", "message", "error_param")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_PARAM_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    error_param: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., error_param: _Optional[str] = ...) -> None: ...

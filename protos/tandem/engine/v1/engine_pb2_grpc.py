@@ -65,6 +65,11 @@ class EngineServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/tandem.engine.v1.EngineService/GenerateStream',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -119,6 +124,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate requests multiplexed on one long-lived call: the client
+        sends requests and aborts, the server sends the deltas of every request
+        that has output in one message (see the streaming contract above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +165,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +335,33 @@ class EngineService:
             '/tandem.engine.v1.EngineService/GetMetrics',
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.engine.v1.EngineService/GenerateStream',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
