@@ -11,6 +11,10 @@ Torch-free (frontend). How ``tool_choice`` is served:
   at most unless ``parallel_tool_calls``) or to the named function's
   arguments, so every call parses and its arguments are valid for the schema.
 
+How one choice's text becomes content and calls, whole or streamed, is
+``frontend.tool_reply`` (the required array is read as it arrives by
+``frontend.tool_call_array``).
+
 Formats (``--tool-call-parser``; ``auto`` picks one from the chat template):
 
 - ``hermes`` (also Qwen 2/2.5/3 and SmolLM2): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
@@ -323,69 +327,3 @@ class StreamingToolCallParser:
 
 # One streamed tool-call piece: (call index, id, name, arguments text); id and name only in a call's first piece.
 ToolCallDelta = tuple[int, Optional[str], Optional[str], str]
-
-
-class ToolReply:
-    """One choice's reply under a ``tool_choice``: its content and tool calls, whole or streamed.
-
-    ``mode``: "none" (all content), "auto" (parsed with ``parser``), "required" or
-    "named" (the constrained JSON of ``constrained_tool_schema``).
-    """
-
-    def __init__(self, mode: str, parser: str, named: Optional[str] = None) -> None:
-        self.mode, self.named = mode, named
-        self._stream = StreamingToolCallParser(parser) if mode == "auto" else None
-        self._text = ""
-        self._named_id: Optional[str] = None
-        self.num_calls = 0
-
-    @property
-    def finish_reason_with_calls(self) -> str:
-        return "stop" if self.mode == "named" else "tool_calls"  # OpenAI's: a named call "stop"s
-
-    def whole(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
-        if self.mode == "none":
-            return text, []
-        if self.mode == "auto":
-            content, calls = parse_tool_calls(self._stream.parser, text)
-            return (content or None) if calls else content, calls
-        try:
-            return None, calls_from_constrained(text, self.named)
-        except ValueError:  # cut short (max_tokens) before the JSON closed: give the text as it is
-            return text, []
-
-    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        if self.mode == "none":
-            return text, []
-        if self.mode == "auto":
-            content, calls = self._stream.push(text)
-            return content, self._deltas(calls)
-        if self.mode == "named":  # the arguments stream as they are generated
-            deltas: list[ToolCallDelta] = []
-            if self._named_id is None:
-                self._named_id = ToolCall(self.named, "").id
-                self.num_calls = 1
-                deltas.append((0, self._named_id, self.named, ""))
-            if text:
-                deltas.append((0, None, None, text))
-            return "", deltas
-        self._text += text  # required: an array, sent once whole
-        return "", []
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        if self.mode == "auto":
-            content, calls = self._stream.finish()
-            return content, self._deltas(calls)
-        if self.mode == "required":
-            try:
-                return "", self._deltas(calls_from_constrained(self._text, None))
-            except ValueError:
-                return self._text, []
-        return "", []
-
-    def _deltas(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
-        out = []
-        for call in calls:
-            out.append((self.num_calls, call.id, call.name, call.arguments))
-            self.num_calls += 1
-        return out

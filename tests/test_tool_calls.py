@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 
 import jinja2
+import openai
 import pytest
+from conftest import TINY_VOCAB
+from helpers import LoopThread, uvicorn_on
+from test_api_server import MODEL, FakeEngine, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.errors import InvalidRequestError
+from backend.types.outputs import ModelInfo
+from frontend.app import create_app
 from frontend.tool_calls import (StreamingToolCallParser, calls_from_constrained, check_tools, choose_parser,
                                  constrained_tool_schema, messages_for_template, parse_tool_calls)
+from frontend.tool_reply import ToolReply, merge_tool_deltas
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -133,3 +140,170 @@ def test_a_template_with_tool_support_gets_argument_objects():
     text = jinja2.Environment().from_string(TOOL_TEMPLATE).render(messages=messages, tools=[WEATHER])
     assert "TOOLS:get_weather;" in text and "[call get_weather Paris]" in text and "tool: 18 C, sunny" in text
     assert FOLLOW_UP[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # input untouched
+
+
+# ---- tool_choice="required": the array of calls read as it arrives (frontend/tool_call_array.py) ----
+
+ARRAY_REPLY = ('[ {"name": "get_weather", "parameters": {"city": "Pa\\"ris", "days": [1, {"a": 2}]}} , '
+               '{"parameters": {}, "name": "get_time"}]')
+
+
+def rebuild(pieces) -> list[tuple[str, dict]]:
+    """Calls from streamed pieces, as a client accumulating by index does; checks the id comes first, once."""
+    calls: dict[int, dict] = {}
+    for index, call_id, name, arguments in pieces:
+        if call_id is not None:
+            assert index not in calls and name
+            calls[index] = {"id": call_id, "name": name, "arguments": ""}
+        calls[index]["arguments"] += arguments
+    return [(c["name"], json.loads(c["arguments"])) for c in calls.values()]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 1000])
+def test_required_calls_stream_as_they_arrive_whatever_the_chunking(chunk):
+    reply = ToolReply("required", "hermes")
+    pieces, pushes_with_calls = [], 0
+    for i in range(0, len(ARRAY_REPLY), chunk):
+        content, new = reply.push(ARRAY_REPLY[i:i + chunk])
+        assert content == "" and len({p[0] for p in new}) == len(new)  # one piece per call per push
+        pushes_with_calls += bool(new)
+        pieces += new
+    assert reply.finish() == ("", [])
+    expected = [("get_weather", {"city": 'Pa"ris', "days": [1, {"a": 2}]}), ("get_time", {})]
+    assert rebuild(pieces) == expected and reply.num_calls == 2
+    if chunk == 1:
+        assert pushes_with_calls > 10  # the first call's arguments arrived piece by piece, not at the end
+    _, whole = ToolReply("required", "hermes").whole(ARRAY_REPLY)
+    assert names(whole) == expected
+
+
+def test_the_first_calls_header_comes_once_its_parameters_begin():
+    reply = ToolReply("required", "hermes")
+    assert reply.push('[{"name": "get_weather", "parameters": ') == ("", [])
+    (piece,) = reply.push('{"ci')[1]
+    assert piece[0] == 0 and piece[1] and piece[2] == "get_weather" and piece[3] == '{"ci'
+    assert reply.push('ty": "Oslo"}}')[1] == [(0, None, None, 'ty": "Oslo"}')]
+
+
+def test_a_reply_cut_short_keeps_the_complete_calls():
+    cut = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Os'
+    content, calls = ToolReply("required", "hermes").whole(cut)
+    assert content is None and names(calls) == [("get_time", {})]
+    streamed = ToolReply("required", "hermes")
+    pieces = streamed.push(cut)[1]
+    assert streamed.finish() == ("", []) and [p[2] for p in pieces] == ["get_time", "get_weather"]
+    # Cut before any call began: the text, as content.
+    assert ToolReply("required", "hermes").whole('[{"name": "get_') == ('[{"name": "get_', [])
+    early = ToolReply("required", "hermes")
+    assert early.push('[{"name": "get_') == ("", []) and early.finish() == ('[{"name": "get_', [])
+
+
+def test_merged_pieces_keep_one_entry_per_call():
+    pieces = [(0, "id0", "f", ""), (0, None, None, "{"), (1, "id1", "g", "{}"), (0, None, None, "}")]
+    assert merge_tool_deltas(pieces) == [(0, "id0", "f", "{}"), (1, "id1", "g", "{}")]
+    named = ToolReply("named", "hermes", "get_weather")
+    ((index, call_id, name, arguments),) = named.push('{"city"')[1]
+    assert (index, name, arguments) == (0, "get_weather", '{"city"') and call_id
+    assert named.push(': "Rome"}')[1] == [(0, None, None, ': "Rome"}')]
+
+
+# ---- the openai SDK's chat.completions.stream() against a live server (the fake engine) ------------
+
+SDK_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+SDK_TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+
+
+@pytest.fixture
+def live(tokenizer):  # noqa: F811
+    """uvicorn on loopback over the fake engine; yields (openai client, engine)."""
+    engine = FakeEngine(tokenizer)
+    loop = LoopThread()
+    app = create_app(engine, tokenizer, ModelInfo(MODEL, 2048, TINY_VOCAB, [engine.eos]))
+    try:
+        with uvicorn_on(loop, app) as base_url:
+            yield openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=30), engine
+    finally:
+        loop.close()
+
+
+def say(engine, tokenizer, text: str) -> None:
+    engine.script = tokenizer.encode(text, add_special_tokens=False)
+
+
+def streamed(client, **request):
+    """The SDK's stream(): its final completion and the chunks that carried tool calls."""
+    tool_chunks = []
+    with client.chat.completions.stream(model=MODEL, messages=ASK, max_tokens=400, **request) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
+                tool_chunks.append(event.chunk.choices[0].delta.tool_calls)
+        return stream.get_final_completion(), tool_chunks
+
+
+@pytest.mark.timeout(60)
+def test_sdk_stream_with_a_named_tool_keeps_every_piece_of_the_arguments(live, tokenizer):
+    client, engine = live
+    say(engine, tokenizer, '{"city": "Paris"}')
+    final, tool_chunks = streamed(client, tools=[SDK_WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
+    assert call.function.parsed_arguments == {"city": "Paris"}  # strict: the SDK parsed it
+    assert final.choices[0].finish_reason == "stop"
+    for entries in tool_chunks:  # never two entries for one call in a chunk
+        assert len({entry.index for entry in entries}) == len(entries)
+    assert len(tool_chunks) > 1 and tool_chunks[0][0].function.arguments  # the header brings the first piece
+
+
+@pytest.mark.timeout(60)
+def test_sdk_stream_with_required_tools_gets_the_calls_as_they_are_generated(live, tokenizer):
+    client, engine = live
+    say(engine, tokenizer, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                           '{"name": "get_time", "parameters": {}}]')
+    final, tool_chunks = streamed(client, tools=[SDK_WEATHER, SDK_TIME], tool_choice="required")
+    calls = final.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert calls[0].id != calls[1].id and final.choices[0].finish_reason == "tool_calls"
+    assert len(tool_chunks) > 3  # not one chunk at the end: the arguments streamed
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=400, tools=[SDK_WEATHER, SDK_TIME],
+                                           tool_choice="required")
+    assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+
+
+@pytest.mark.timeout(60)
+def test_sdk_stream_with_auto_tools_parses_parallel_calls(live, tokenizer):
+    client, engine = live
+    say(engine, tokenizer, 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                           '</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    final, _ = streamed(client, tools=[SDK_WEATHER])
+    message = final.choices[0].message
+    assert message.content.strip() == "Let me check."
+    assert [c.function.parsed_arguments for c in message.tool_calls] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.timeout(60)
+def test_a_required_reply_cut_by_max_tokens_returns_its_complete_calls(live, tokenizer):
+    client, engine = live
+    complete = '[{"name": "get_time", "parameters": {}}, '
+    say(engine, tokenizer, complete + '{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+    max_tokens = len(tokenizer.encode(complete + '{"name": "get_weather", "parameters": {"ci',
+                                      add_special_tokens=False))
+    request = dict(model=MODEL, messages=ASK, max_tokens=max_tokens, tools=[SDK_TIME], tool_choice="required")
+    whole = client.chat.completions.create(**request)
+    assert whole.choices[0].finish_reason == "length" and whole.choices[0].message.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == [("get_time", "{}")]
+    # The SDK's stream() raises at a "length" finish, with what it accumulated.
+    with client.chat.completions.stream(**request) as stream, pytest.raises(openai.LengthFinishReasonError) as cut:
+        stream.get_final_completion()
+    final = cut.value.completion
+    calls = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "length" and not final.choices[0].message.content
+    assert calls[0].function.name == "get_time" and calls[0].function.arguments == "{}"
+    assert calls[1].function.name == "get_weather"  # the cut call, as far as it got

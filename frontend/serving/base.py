@@ -43,7 +43,8 @@ from frontend.outputs import RequestOutputBuilder, TextDelta
 from frontend.serving import sse
 from frontend.serving.errors import ClientDisconnectedError, error_of_exception
 from frontend.serving.prompts import Prompt, PromptRenderer
-from frontend.tool_calls import ToolReply, choose_parser
+from frontend.tool_calls import choose_parser
+from frontend.tool_reply import ToolReply
 
 T = TypeVar("T")
 

@@ -24,8 +24,8 @@ from frontend.serving.logprobs import chat_logprobs, chat_logprobs_dict, prompt_
 from frontend.serving.prompts import Prompt
 from frontend.serving.sampling import max_tokens_for, sampling_params
 from frontend.serving.sse import ChunkFrames, json_or_null, json_text, sse_event
-from frontend.tool_calls import (ToolReply, check_tools, constrained_tool_schema, messages_for_template,
-                                 template_supports_tools)
+from frontend.tool_calls import check_tools, constrained_tool_schema, messages_for_template, template_supports_tools
+from frontend.tool_reply import ToolReply, merge_tool_deltas
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -132,9 +132,10 @@ class OpenAIServingChat(OpenAIServing):
         def tool_deltas(pieces) -> Optional[list[P.DeltaToolCall]]:
             if not pieces:
                 return None
+            # One entry per call: the openai SDK's stream() keeps only the first of two with one index.
             return [P.DeltaToolCall(index=i, id=call_id, type="function" if call_id else None,
                                     function=P.FunctionCall(name=name, arguments=arguments))
-                    for i, call_id, name, arguments in pieces]
+                    for i, call_id, name, arguments in merge_tool_deltas(pieces)]
 
         # OpenAI's first chunk of each choice carries the role (and vLLM's echo).
         for index in range(request.n):
