@@ -31,11 +31,13 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.cache_ops import cache_geometry
-from tandem_kernels.launch_config import attention_config, kv_splits
+from tandem_kernels.launch_config import attention_config, kv_splits, merge_config
 from tandem_kernels.reference import VarlenPlan
 
-# The interpreter's tl.dot mishandles bf16 operands; there the kernel upcasts them
-# first. bf16 x bf16 products are exact in fp32, so this computes what tensor cores do.
+# The interpreter's tl.dot mishandles bf16 operands (Triton 3.9: wrong by orders of magnitude;
+# fp16 is right); there, and only for bf16, the kernel upcasts them first. bf16 x bf16 products
+# are exact in fp32, so this computes what tensor cores do. Compiled, every dot takes the
+# operands in the query's dtype (bf16/fp16 tensor cores, fp32 accumulation).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 
@@ -190,7 +192,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return out
 
     group = num_heads // num_kv_heads
-    config = attention_config(head_dim, group, plan.max_query_len)
+    config = attention_config(head_dim, group, plan.max_query_len, query.element_size())
     tiles_per_req = triton.cdiv(plan.max_query_len, config.block_q)
     num_splits, partition = split_layout(plan, num_kv_heads, query.device)
     if num_splits > 1 and (plan.max_query_len != 1 or num_tokens != num_reqs):
@@ -215,8 +217,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
+        merge = merge_config(num_splits)
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, split_acc, split_max, split_sum, plan.seq_lens, partition, num_heads, num_splits,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=config.head_dim_pad,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+            SPLITS_PAD=merge.block, num_warps=merge.num_warps)
     return out

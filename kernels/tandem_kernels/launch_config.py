@@ -36,9 +36,11 @@ class AttentionConfig:
 PREFILL_ROWS = 64
 
 
-def attention_config(head_dim: int, group: int, max_query_len: int) -> AttentionConfig:
+def attention_config(head_dim: int, group: int, max_query_len: int, element_size: int = 2) -> AttentionConfig:
     """Decode steps (every request one query token) pack the GQA group into one tile
-    (block_q = 1); steps with longer queries pack as many tokens as fit PREFILL_ROWS rows.
+    (block_q = 1); steps with longer queries pack as many tokens as fit the tile's rows.
+    element_size: bytes per query element (2: bf16/fp16 on tensor cores; 4: fp32, whose exact
+    dots are FMA loops that hold their tiles in registers, so they get small tiles).
 
     Chosen from CI's compile table (bench/kernel_compile_table.py; registers and spills
     per target), with no spills on sm_80, sm_90a or sm_100a for head dims up to 256:
@@ -51,18 +53,26 @@ def attention_config(head_dim: int, group: int, max_query_len: int) -> Attention
       217 registers on sm_90a and spill on sm_80 (255 registers), 8 warps spill at 80/96 on sm_80.
     - prefill, head dim 256: 32 x 32 tiles; 64 rows spill on sm_90a (255 registers, 164 KB
       shared) and, with 8 warps, still on sm_100a.
+    - fp32: 16-row prefill tiles; 64 x 64 tiles spill 9-10 KB a thread. 32-token KV tiles
+      up to head dim 64, 16 above: with 32 the split-KV decode at 80-128 spills ~300 bytes on
+      sm_90a and sm_100a (255 registers on 4 warps; on 8, the plain decode spills on sm_100a).
     """
-    if group < 1 or head_dim < 1 or max_query_len < 1:
-        raise ValueError(f"attention_config({head_dim}, {group}, {max_query_len}): all must be >= 1")
+    if group < 1 or head_dim < 1 or max_query_len < 1 or element_size not in (2, 4):
+        raise ValueError(f"attention_config({head_dim}, {group}, {max_query_len}, {element_size}): "
+                         "sizes must be >= 1 and element_size 2 or 4")
     head_dim_pad = max(16, next_power_of_2(head_dim))
     wide = head_dim_pad >= 256
-    if max_query_len == 1:
-        block_q, tile_n, num_warps, num_stages = 1, 64, 8 if wide else 4, 3
+    decode = max_query_len == 1
+    if element_size == 4:
+        rows, tile_n, num_stages = 16, 16 if head_dim_pad >= 128 else 32, 2
+        num_warps = 8 if decode and wide else 4
+    elif decode:
+        rows, tile_n, num_warps, num_stages = 1, 64, 8 if wide else 4, 3
     else:
         rows = PREFILL_ROWS // 2 if wide else PREFILL_ROWS
-        block_q = max(1, rows // group)
         tile_n = 64 if head_dim_pad <= 64 else 32
         num_warps, num_stages = 4, 2 if wide else 3
+    block_q = 1 if decode else max(1, rows // group)
     block_m = max(16, next_power_of_2(block_q * group))
     return AttentionConfig(block_q=block_q, block_m=block_m, tile_n=tile_n, head_dim_pad=head_dim_pad,
                            num_warps=num_warps, num_stages=num_stages)
@@ -96,6 +106,12 @@ class RowConfig:
 
     block: int
     num_warps: int
+
+
+def merge_config(num_splits: int) -> RowConfig:
+    """The split-KV merge (one program per token and head): all splits in one block of at
+    least 2 rows; 4 warps (at 64 splits and head dim 256, 128-168 registers, no spills)."""
+    return RowConfig(block=max(2, next_power_of_2(num_splits)), num_warps=4)
 
 
 def row_config(width: int) -> RowConfig:
