@@ -6,6 +6,9 @@ deadline, Abort, server stop), the engine's stream is closed, which aborts the r
 its KV blocks at once; a call's deadline also travels into the engine, which aborts the request
 when it passes. Admission control: a call whose sequences would take the ones in flight past
 ``max_num_seqs + --max-num-queued-requests`` is refused at once with RESOURCE_EXHAUSTED.
+
+GenerateStream (``backend.server.generate_stream``) runs many requests on one call through the
+same ``request_responses``, so a request behaves the same on either RPC.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Iterable, Optional
 
 import grpc
 from prometheus_client import generate_latest
 
 from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.server.generate_stream import GenerateStreamCall
 from backend.server.metrics import EngineMetrics
 from backend.server.proto_convert import response_from_output, sampling_params_from_proto
 from backend.server.status_codes import BackendShuttingDownError, map_errors, safe_deserializer
@@ -41,12 +45,19 @@ TOKENIZER_CHUNK_BYTES = 1024 * 1024  # the proto's per-chunk maximum
 DEADLINE_EARLY_CANCEL_S = 0.1
 
 
+_HANDLER_MAKERS = {  # (client streaming, server streaming) -> grpc's handler maker
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def engine_service_handler(servicer: "EngineServicer") -> grpc.GenericRpcHandler:
     """EngineService's method handlers (the generated ``add_..._to_server``'s, with deserializers
     that hand undecodable bytes to the handler instead of failing the call as UNKNOWN)."""
     handlers = {}
     for method in SERVICE.methods:
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        make = _HANDLER_MAKERS[method.client_streaming, method.server_streaming]
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=safe_deserializer(getattr(engine_pb2, method.input_type.name)),
@@ -173,6 +184,24 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @map_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        async with contextlib.aclosing(self.request_responses(request, deadline, caller_of(context))) as responses:
+            async for response in responses:
+                await context.write(response)
+
+    @map_errors
+    async def GenerateStream(self, requests: AsyncIterator[engine_pb2.GenerateStreamRequest],
+                             context: grpc.aio.ServicerContext) -> None:
+        await GenerateStreamCall(self, context, caller_of(context)).serve(requests)
+
+    async def request_responses(self, request: engine_pb2.GenerateRequest, deadline: Optional[float],
+                                caller: object) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """One request's responses, as its Generate call sends them; raises what ends the call.
+
+        ``deadline``: ``time.monotonic()`` seconds, or None. Closing the iterator early (a cancelled
+        call, a passed deadline) aborts the request in the engine and counts its sequences' ends.
+        """
         if self._draining:
             raise BackendShuttingDownError("The backend is shutting down; send the request to another one.")
         request_id = request.request_id
@@ -188,13 +217,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"The backend is at its limit of {self.max_sequences_in_flight} sequences in flight "
                 "(max_num_seqs + --max-num-queued-requests); retry later or on another backend.")
         prompt = list(request.prompt_token_ids)
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
         call = _GenerateCall(params.n, len(prompt), self.metrics)
         if self.metrics is not None:
             self.metrics.observe_params(params.n, params.max_tokens)
         stop = self._stop_events[request_id] = asyncio.Event()
-        self._callers[request_id] = caller_of(context)
+        self._callers[request_id] = caller
         self.num_sequences_in_flight += params.n
         self._idle.clear()
         try:
@@ -205,11 +232,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                             and time.monotonic() >= deadline:  # the engine's own deadline check came first
                         call.abort_unfinished()
                         raise RequestTimeoutError("The call's deadline passed; the engine aborted the request.")
-                    await context.write(call.response(output))
+                    yield call.response(output)
             for response in call.abort_unfinished():  # only after Abort: the stream ended early
-                await context.write(response)
-        except asyncio.CancelledError:
-            call.abort_unfinished()  # cancelled or past its deadline: count the ends, send nothing
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled or past its deadline (while in the engine, or while its caller wrote):
+            # count the ends, send nothing.
+            call.abort_unfinished()
             raise
         finally:
             if deadline is not None and time.monotonic() >= deadline - DEADLINE_EARLY_CANCEL_S \
@@ -224,13 +253,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     @map_errors
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
-        caller = caller_of(context)
-        for request_id in request.request_ids:
+        await self.abort_requests(request.request_ids, caller_of(context))
+        return engine_pb2.AbortResponse()
+
+    async def abort_requests(self, request_ids: Iterable[str], caller: object) -> None:
+        """Stop ``caller``'s requests among ``request_ids``; other callers' and unknown IDs are ignored."""
+        for request_id in request_ids:
             if self._callers.get(request_id) != caller:
                 continue  # another caller's request (or none): ignored, as an unknown ID is
-            self._stop_events[request_id].set()  # its Generate call sends the ABORT responses and ends OK
+            self._stop_events[request_id].set()  # its call sends the ABORT responses and ends OK
             await self.engine.abort(request_id)  # frees the blocks now, not when that call wakes
-        return engine_pb2.AbortResponse()
 
     @map_errors
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 
@@ -64,17 +64,25 @@ def map_errors(handler: Handler) -> Handler:
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as error:  # noqa: BLE001 -- every error ends the call with a status
-            code = next((code for kind, code in _STATUS_OF_ERROR if isinstance(error, kind)), None)
-            if code is None:
-                logger.error("%s failed", handler.__name__, exc_info=error)
-                code = grpc.StatusCode.INTERNAL
+            code, message, param = status_of(error, handler.__name__)
             if self.metrics is not None:
                 self.metrics.observe_rejected(handler.__name__, code.name.lower())
-            param = getattr(error, "param", None)
-            await context.abort(code, str(error) or type(error).__name__,
+            await context.abort(code, message,
                                 trailing_metadata=((ERROR_PARAM_METADATA_KEY, param),) if param else ())
 
     return handle
+
+
+def status_of(error: Exception, method: str) -> tuple[grpc.StatusCode, str, Optional[str]]:
+    """The status an error ends a request with: (code, message, the parameter it names or None).
+
+    An error not listed in ``_STATUS_OF_ERROR`` is a bug of ``method``: logged, INTERNAL.
+    """
+    code = next((code for kind, code in _STATUS_OF_ERROR if isinstance(error, kind)), None)
+    if code is None:
+        logger.error("%s failed", method, exc_info=error)
+        code = grpc.StatusCode.INTERNAL
+    return code, str(error) or type(error).__name__, getattr(error, "param", None)
 
 
 def safe_deserializer(message_class):
