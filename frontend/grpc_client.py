@@ -13,6 +13,12 @@ and status codes become typed errors (``error_from_status``, the one place):
     DEADLINE_EXCEEDED   -> RequestTimeoutError (a Generate call past its deadline)
     anything else       -> BackendError
 
+Requests go on one GenerateStream call per backend (``frontend.multiplexed_stream``): many
+requests' deltas arrive in one message per engine step. A backend without that RPC
+(UNIMPLEMENTED) gets Generate calls instead, one per request; so does a request too big for one
+message. The call is replaced every ``STREAM_MAX_AGE_S`` so that a backend's connection ageing
+(``--max-connection-age``) and DNS changes still move the traffic.
+
 Health tells the truth across restarts: whenever the channel has been down
 and comes back, the backend's tokenizer fingerprint is checked again before
 the next request goes out; a backend that came back with another tokenizer
@@ -39,6 +45,7 @@ from backend.types.limits import Limits
 from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs
 from backend.types.sampling_params import SamplingParams
 from backend.types.wire import AUTH_METADATA_KEY, ERROR_PARAM_METADATA_KEY, TOKEN_ENV
+from frontend.multiplexed_stream import MultiplexedStream, StreamUnsupported
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,7 @@ HEALTH_TIMEOUT_S = 1.0
 # grows to two minutes, so a restarted backend would sit unused).
 RECONNECT_BACKOFF_MS = (100, 1000)  # initial, maximum
 CLOSED_AT_ONCE_LOG_INTERVAL_S = 10.0  # how often a backend that drops every connection is reported
+STREAM_MAX_AGE_S = 60.0  # a GenerateStream call takes new requests this long, then ends once they have
 
 _FINISH_REASON_FROM_PROTO = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -89,9 +97,16 @@ TLS_HINT = ("check --backend-ssl-ca-certs (the CA that signed the backend's cert
 
 def error_from_status(error: grpc.aio.AioRpcError) -> TandemError:
     """The typed error for a failed call."""
-    code, message = error.code(), error.details() or error.code().name
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    param = None
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
         param = dict(error.trailing_metadata() or ()).get(ERROR_PARAM_METADATA_KEY)
+    return error_from_code(error.code(), error.details(), param)
+
+
+def error_from_code(code: grpc.StatusCode, message: Optional[str], param: Optional[str] = None) -> TandemError:
+    """The typed error for a status: a failed call's, or a GenerateStream request's end."""
+    message = message or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequestError(message, param=param)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return BackendCredentialsError(f"The backend refused this frontend's credentials (UNAUTHENTICATED: "
@@ -221,14 +236,18 @@ class GrpcEngineClient:
     The channel is opened on first use, inside the running event loop (a
     ``grpc.aio`` channel belongs to the loop that created it). After
     ``expect_tokenizer(fingerprint)``, every (re)connection is checked against
-    that fingerprint before requests use it.
+    that fingerprint before requests use it. ``multiplexed=False`` sends every request with
+    Generate (for comparison; the default multiplexes them on GenerateStream).
     """
 
     def __init__(self, address: str, limits: Optional[Limits] = None,
-                 security: Optional[ChannelSecurity] = None) -> None:
+                 security: Optional[ChannelSecurity] = None, multiplexed: bool = True) -> None:
         self.address = address
         self.limits = limits or Limits()
         self.security = security or ChannelSecurity()
+        self.multiplexed = multiplexed
+        self._streams: list[MultiplexedStream] = []  # the open one last; older ones until their requests end
+        self._stream_supported: Optional[bool] = None  # None: not known for the backend now reached
         self._metadata = self.security.metadata
         self._channel: Optional[grpc.aio.Channel] = None
         self._stub: Optional[engine_pb2_grpc.EngineServiceStub] = None
@@ -270,6 +289,7 @@ class GrpcEngineClient:
         while True:
             if state != grpc.ChannelConnectivity.READY:
                 self._verified = False
+                self._stream_supported = None  # what answers next may be another version
             await self._channel.wait_for_state_change(state)
             state = self._channel.get_state(try_to_connect=False)
 
@@ -317,6 +337,17 @@ class GrpcEngineClient:
         except ValueError as error:  # e.g. a negative token ID, which uint32 cannot hold
             raise InvalidRequestError(f"The request cannot be sent to the backend: {error}") from None
         await self._check_backend()
+        stream = self._stream_for(request)
+        if stream is not None:
+            try:
+                async for output in stream.generate(request, deadline):
+                    yield output
+                return
+            except StreamUnsupported:  # nothing ran; Generate serves it, and what follows
+                if self._stream_supported is not False:
+                    logger.info("The backend at %s has no GenerateStream (an older version): one Generate "
+                                "call per request.", self.address)
+                self._stream_supported = False
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         call = self._engine.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
@@ -327,7 +358,25 @@ class GrpcEngineClient:
         finally:
             call.cancel()  # a no-op once the stream has ended
 
+    def _stream_for(self, request: engine_pb2.GenerateRequest) -> Optional[MultiplexedStream]:
+        """The GenerateStream call for a request (opened or replaced if need be), or None: Generate."""
+        if not self.multiplexed or self._stream_supported is False:
+            return None
+        self._streams = [stream for stream in self._streams if not stream.ended]
+        current = self._streams[-1] if self._streams else None
+        if current is not None and current.open and time.monotonic() - current.opened_at > STREAM_MAX_AGE_S:
+            current.half_close()
+        if current is None or not current.open:
+            current = MultiplexedStream(self._engine, self._metadata, self.limits.max_grpc_message_bytes,
+                                        error_from_code, error_from_status, output_from_response)
+            self._streams.append(current)
+        return current if current.fits(request) else None
+
     async def abort(self, request_id: str) -> None:
+        for stream in self._streams:
+            if stream.has(request_id):
+                stream.abort(request_id)
+                return
         await self._unary(self._engine.Abort, engine_pb2.AbortRequest(request_ids=[request_id]))
 
     async def model_info(self) -> ModelInfo:
@@ -428,6 +477,8 @@ class GrpcEngineClient:
         return dest
 
     async def close(self) -> None:
+        streams, self._streams = self._streams, []
+        await asyncio.gather(*(stream.cancel() for stream in streams))
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None

@@ -1,12 +1,19 @@
 """A stand-in backend: the real gRPC contract (protos/), no model, token IDs as fast as asked.
 
     python tests/stand_in_backend.py --tokenizer DIR [--port 0] [--model-name NAME] [--step-ms 0]
+                                     [--no-generate-stream]
 
-It serves every RPC a frontend and its router call (``Generate``, ``Abort``,
+It serves every RPC a frontend and its router call (``GenerateStream``, ``Generate``, ``Abort``,
 ``GetModelInfo``, ``GetTokenizer``, ``GetLoad``, ``GetMetrics`` and
 ``grpc.health.v1``), so a real frontend process runs against it unchanged and
 is the only thing a benchmark measures (``bench/frontend_capacity.py``). It
-prints ``READY <port>`` on stdout once it serves.
+prints ``READY <port>`` on stdout once it serves. ``--no-generate-stream``
+answers GenerateStream UNIMPLEMENTED, as a backend older than that RPC does.
+
+``GenerateStream`` steps every request of the call together, as an engine
+does: each step sends one message with one response per running sequence of
+every request (the same responses ``Generate`` sends), a request's last entry
+carrying its status (OK; DEADLINE_EXCEEDED past its ``timeout_ms``).
 
 ``Generate`` streams one response per sequence per step, as the real backend
 does: sequence ``i`` of ``n`` cycles through a fixed script of token IDs
@@ -27,6 +34,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -49,7 +57,7 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
     """EngineService without a model (see the module docstring for what it streams)."""
 
     def __init__(self, tokenizer_dir: str, model_name: str = "stand-in", max_model_len: int = 4096,
-                 step_ms: float = 0.0) -> None:
+                 step_ms: float = 0.0, generate_stream: bool = True) -> None:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
@@ -61,9 +69,12 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
         eos = tokenizer.token_to_id("<|im_end|>") or tokenizer.token_to_id("<|endoftext|>")
         self.eos_token_ids = [eos] if eos is not None else []
         self.model_name, self.max_model_len, self.step_s = model_name, max_model_len, step_ms / 1000
+        self.generate_stream = generate_stream
         self.running_ids: set[str] = set()
         self.aborted: set[str] = set()  # a subset of running_ids
         self.num_generate_calls = 0
+        self.num_generate_stream_calls = 0
+        self.num_stream_messages = 0  # GenerateStreamResponses sent
 
     def _position(self, token: int, k: int) -> engine_pb2.PositionLogprobs:
         top = [engine_pb2.Logprob(token_id=(token + 1 + j) % self.vocab_size, logprob=-1.0 - j, rank=2 + j)
@@ -71,14 +82,30 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.PositionLogprobs(token=engine_pb2.Logprob(token_id=token, logprob=-0.25, rank=1),
                                            top_logprobs=[t for t in top if t.token_id != token])
 
-    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    def _response(self, request: engine_pb2.GenerateRequest, index: int, step: int,
+                  max_tokens: int) -> engine_pb2.GenerateResponse:
+        """Sequence ``index``'s response at ``step`` (0-based) of a request of ``max_tokens``."""
         params = request.sampling_params
-        n = params.n or 1
+        token = self.script[(index + step) % len(self.script)]
+        response = engine_pb2.GenerateResponse(
+            index=index, new_token_ids=[token], num_prompt_tokens=len(request.prompt_token_ids),
+            num_completion_tokens=step + 1,
+            finish_reason=engine_pb2.FINISH_REASON_LENGTH if step + 1 == max_tokens else 0)
+        if params.HasField("logprobs"):
+            response.new_logprobs.append(self._position(token, params.logprobs))
+        if step == 0 and params.HasField("prompt_logprobs"):
+            response.prompt_logprobs.positions.extend(
+                self._position(t, params.prompt_logprobs) for t in request.prompt_token_ids[1:])
+        return response
+
+    def _max_tokens(self, request: engine_pb2.GenerateRequest) -> int:
+        params = request.sampling_params
         room = self.max_model_len - len(request.prompt_token_ids)
-        max_tokens = min(params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS, room)
-        num_logprobs = params.logprobs if params.HasField("logprobs") else None
-        num_prompt = len(request.prompt_token_ids)
-        script, length = self.script, len(self.script)
+        return min(params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS, room)
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        n = request.sampling_params.n or 1
+        max_tokens = self._max_tokens(request)
         self.running_ids.add(request.request_id)
         self.num_generate_calls += 1
         try:
@@ -88,24 +115,72 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
                         for rest in range(n):
                             await context.write(engine_pb2.GenerateResponse(
                                 index=rest, finish_reason=engine_pb2.FINISH_REASON_ABORT,
-                                num_prompt_tokens=num_prompt))
+                                num_prompt_tokens=len(request.prompt_token_ids)))
                         return
-                    token = script[(index + step) % length]
-                    response = engine_pb2.GenerateResponse(
-                        index=index, new_token_ids=[token], num_prompt_tokens=num_prompt,
-                        num_completion_tokens=step + 1,
-                        finish_reason=engine_pb2.FINISH_REASON_LENGTH if step + 1 == max_tokens else 0)
-                    if num_logprobs is not None:
-                        response.new_logprobs.append(self._position(token, num_logprobs))
-                    if step == 0 and params.HasField("prompt_logprobs"):
-                        response.prompt_logprobs.positions.extend(
-                            self._position(t, params.prompt_logprobs) for t in request.prompt_token_ids[1:])
-                    await context.write(response)
+                    await context.write(self._response(request, index, step, max_tokens))
                 if self.step_s:
                     await asyncio.sleep(self.step_s)
         finally:
             self.running_ids.discard(request.request_id)
             self.aborted.discard(request.request_id)
+
+    async def GenerateStream(self, requests, context: grpc.aio.ServicerContext) -> None:
+        if not self.generate_stream:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.num_generate_stream_calls += 1
+        running: dict[str, list] = {}  # request ID -> [request, next step, max_tokens, deadline]
+        arrived = asyncio.Event()
+
+        async def read() -> None:
+            async for message in requests:
+                now = time.monotonic()
+                for item in message.requests:
+                    request = item.request
+                    deadline = now + item.timeout_ms / 1000 if item.HasField("timeout_ms") else None
+                    running[request.request_id] = [request, 0, self._max_tokens(request), deadline]
+                    self.running_ids.add(request.request_id)
+                self.aborted.update(running.keys() & set(message.abort_request_ids))
+                arrived.set()
+
+        reader = asyncio.ensure_future(read())
+        reader.add_done_callback(lambda _: arrived.set())
+        try:
+            while running or not reader.done():
+                if not running:
+                    arrived.clear()
+                    await arrived.wait()
+                    continue
+                message = engine_pb2.GenerateStreamResponse()
+                now = time.monotonic()
+                for request_id, state in list(running.items()):
+                    request, step, max_tokens, deadline = state
+                    n = request.sampling_params.n or 1
+                    entry = message.requests.add(request_id=request_id)
+                    if request_id in self.aborted:
+                        entry.responses.extend(engine_pb2.GenerateResponse(
+                            index=i, finish_reason=engine_pb2.FINISH_REASON_ABORT,
+                            num_prompt_tokens=len(request.prompt_token_ids)) for i in range(n))
+                        entry.status.code = grpc.StatusCode.OK.value[0]
+                    elif deadline is not None and now >= deadline:
+                        entry.status.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+                        entry.status.message = "The request's deadline passed."
+                    else:
+                        entry.responses.extend(self._response(request, i, step, max_tokens) for i in range(n))
+                        state[1] = step + 1
+                        if step + 1 < max_tokens:
+                            continue
+                        entry.status.code = grpc.StatusCode.OK.value[0]
+                    del running[request_id]
+                    self.running_ids.discard(request_id)
+                    self.aborted.discard(request_id)
+                await context.write(message)
+                self.num_stream_messages += 1
+                await asyncio.sleep(self.step_s)  # 0: lets the reader take new requests between steps
+        finally:
+            reader.cancel()
+            for request_id in running:
+                self.running_ids.discard(request_id)
+                self.aborted.discard(request_id)
 
     async def Abort(self, request, context):
         self.aborted.update(self.running_ids.intersection(request.request_ids))  # unknown IDs: ignored
@@ -190,7 +265,8 @@ async def start_server(servicer: StandInServicer, host: str = "127.0.0.1", port:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    servicer = StandInServicer(args.tokenizer, args.model_name, args.max_model_len, args.step_ms)
+    servicer = StandInServicer(args.tokenizer, args.model_name, args.max_model_len, args.step_ms,
+                               generate_stream=not args.no_generate_stream)
     server, port = await start_server(servicer, args.host, args.port)
     print(f"READY {port}", flush=True)
     await server.wait_for_termination()
@@ -204,6 +280,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--model-name", default="stand-in")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--step-ms", type=float, default=0.0, help="pause between steps (0: as fast as asked)")
+    parser.add_argument("--no-generate-stream", action="store_true",
+                        help="answer GenerateStream UNIMPLEMENTED, as a backend older than that RPC")
     args = parser.parse_args(argv)
     try:
         asyncio.run(_serve(args))
