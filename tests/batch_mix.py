@@ -129,6 +129,9 @@ def sampling_params(draw, vocab_size: int, max_model_len: int) -> tuple[Sampling
         if logprobs_kind == "ids" else None,
         prompt_logprobs=draw(st.one_of(st.none(), st.none(), st.integers(0, 3))),
         structured_outputs=CONSTRAINTS[constraint][0] if constraint else None,
+        logit_bias=draw(st.one_of(st.none(), st.none(), st.dictionaries(
+            st.integers(0, vocab_size - 1), st.sampled_from([-100.0, -100.0, -3.5, 2.0, 100.0]), min_size=1,
+            max_size=3))),
     )
     return SamplingParams(**params), constraint
 
@@ -239,6 +242,18 @@ def _check_request(engine: LLMEngine, outcome: Outcome) -> None:
                 assert all(set(params.logprob_token_ids) <= set(p) for p in positions)
         if params.prompt_logprobs is not None and tokens:
             assert len(outcome.prompt_logprobs[index]) == len(spec.prompt)
+        if params.logit_bias and spec.constraint is None:
+            _check_logit_bias(engine, params, tokens)
+
+
+def _check_logit_bias(engine: LLMEngine, params: SamplingParams, tokens: list[int]) -> None:
+    """-100 forbids a token; +100 forces one (unless min_tokens masks the forced ones: stop IDs)."""
+    forbidden = {t for t, b in params.logit_bias.items() if b == -100.0}
+    forced = {t for t, b in params.logit_bias.items() if b == 100.0}
+    assert not forbidden & set(tokens) - forced, (params.logit_bias, tokens)
+    stops = set(params.stop_token_ids) | set(engine.eos_token_ids)
+    if forced and not forced & stops:
+        assert set(tokens) <= forced, (params.logit_bias, tokens)
 
 
 _TOKENIZERS: dict = {}

@@ -55,6 +55,8 @@ def mixed_requests(stop_id: int) -> list[tuple[str, list[int], SamplingParams]]:
                                               **greedy)),
         ("beam", PROMPTS[0], SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True)),
         ("one-token", PROMPTS[4], SamplingParams(max_tokens=1, **greedy)),
+        ("logit-bias", PROMPTS[1], SamplingParams(max_tokens=10, logit_bias={stop_id: -100.0, 5: 3.0},
+                                                  ignore_eos=True, **greedy)),
     ]
     return specs
 

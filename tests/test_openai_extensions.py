@@ -46,7 +46,7 @@ def test_an_unknown_field_is_refused_naming_it(client):
     assert_openai_error(completion(client, guided_json={}), 400, "BadRequestError", "guided_json")
 
 
-@pytest.mark.parametrize("name, value", [("logit_bias", {"5": 1.0}), ("allowed_token_ids", [1]),
+@pytest.mark.parametrize("name, value", [("allowed_token_ids", [1]),
                                          ("bad_words", ["x"]), ("priority", 3), ("reasoning_effort", "low"),
                                          ("functions", [{"name": "f"}])])
 def test_a_vllm_field_tandem_does_not_implement_is_a_400_naming_it(client, name, value):
@@ -183,6 +183,21 @@ def test_logprob_token_ids_ask_for_those_tokens(client, engine):
     assert engine.requests[-1][2].logprob_token_ids == [3, 4] and engine.requests[-1][2].logprobs is None
     assert body["choices"][0]["logprobs"]["token_logprobs"]
     assert_openai_error(chat(client, logprob_token_ids=[3]), 400, "BadRequestError", "logprob_token_ids")
+
+
+def test_logit_bias_reaches_the_engine_with_integer_token_ids(client, engine):
+    assert completion(client, logit_bias={"3": -100, "4": 2.5}).status_code == 200
+    assert engine.requests[-1][2].logit_bias == {3: -100.0, 4: 2.5}
+    assert chat(client, logit_bias={"7": 100}).status_code == 200
+    assert engine.requests[-1][2].logit_bias == {7: 100.0}
+    assert completion(client, logit_bias={}).status_code == 200 and engine.requests[-1][2].logit_bias is None
+
+
+@pytest.mark.parametrize("bias", [{"x": 1.0}, {"-1": 1.0}, {"3": 101}, {"3": -100.5},
+                                  {str(i): 1.0 for i in range(301)}])
+def test_a_bad_logit_bias_is_a_400_naming_it(client, bias):
+    assert_openai_error(completion(client, logit_bias=bias), 400, "BadRequestError", "logit_bias")
+    assert_openai_error(chat(client, logit_bias=bias), 400, "BadRequestError", "logit_bias")
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client, engine, tokenizer):

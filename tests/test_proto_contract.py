@@ -55,7 +55,8 @@ def _documentable_paths(proto_file: descriptor_pb2.FileDescriptorProto) -> dict[
         for i, field in enumerate(message.field):
             paths[path + (_FIELD, i)] = f"field {message.name}.{field.name}"
         for i, nested in enumerate(message.nested_type):
-            add_message(nested, path + (_NESTED, i))
+            if not nested.options.map_entry:  # a map field's entry type: protoc's, no source to comment
+                add_message(nested, path + (_NESTED, i))
         for i, enum in enumerate(message.enum_type):
             add_enum(enum, path + (_ENUM, i))
 
@@ -173,6 +174,7 @@ def test_generate_request_with_every_field_set_round_trips():
         presence_penalty=-0.5, frequency_penalty=1.5, repetition_penalty=1.1,
         max_tokens=128, min_tokens=4, stop_token_ids=[2, 50256], ignore_eos=True,
         logprobs=0, prompt_logprobs=5, logprob_token_ids=[7, 9], use_beam_search=True, length_penalty=0.5,
+        logit_bias={7: -100.0, 2**32 - 1: 2.5},
         structured_outputs=engine_pb2.StructuredOutputs(
             choice=engine_pb2.Choice(choices=["yes", "no"]), disable_any_whitespace=True),
     )

@@ -419,3 +419,28 @@ def test_structured_output_mask_leaves_only_allowed_tokens():
     assert out.token_ids[1] in (5, 7)
     assert set(out.logprobs[1]) == {5, 7}  # the masked distribution: all its mass on the two
     assert math.isclose(sum(math.exp(lp.logprob) for lp in out.logprobs[1].values()), 1.0, rel_tol=1e-5)
+
+
+# --- logit_bias -------------------------------------------------------------
+
+
+def test_logit_bias_forces_forbids_and_shifts_only_its_rows_and_leaves_logprobs_raw():
+    logits = random_logits(3)
+    top = int(logits[0].argmax())
+    rows = [make_row(temperature=0.0, logit_bias={top: -100.0}),  # forbid the winner
+            make_row(temperature=0.0, logit_bias={5: 100.0}, logprobs=1),  # force token 5
+            make_row(temperature=0.0)]
+    out = Sampler()(logits.clone(), rows)
+    biased = logits[0].clone()
+    biased[top] -= 100.0
+    assert out.token_ids[0] == int(biased.argmax()) != top
+    assert out.token_ids[1] == 5
+    assert out.token_ids[2] == int(logits[2].argmax())
+    raw = logits[1].log_softmax(-1)
+    assert out.logprobs[1][5].logprob == pytest.approx(float(raw[5]), abs=1e-5)  # before the bias, as vLLM's
+
+
+def test_logit_bias_applies_to_sampled_rows_too():
+    logits = random_logits(64)
+    rows = [make_row(temperature=1.0, seed=i, logit_bias={9: 100.0}) for i in range(64)]
+    assert Sampler()(logits, rows).token_ids == [9] * 64

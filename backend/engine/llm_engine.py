@@ -7,6 +7,7 @@ emits ``EngineOutput`` deltas; finished requests free their blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -121,7 +122,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"Token ID {bad[0]} is out of vocabulary (size {self.vocab_size}).", param="prompt")
         self.limits.check_sampling_params(params)
-        for name in ("stop_token_ids", "logprob_token_ids"):
+        for name in ("stop_token_ids", "logprob_token_ids", "logit_bias"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"{name} holds token ID {bad[0]}, outside the vocabulary "
@@ -167,7 +168,7 @@ class LLMEngine:
         for index, child_id in enumerate(ids):
             child_params = params
             if params.seed is not None and params.n > 1:
-                child_params = SamplingParams(**{**vars(params), "seed": params.seed + index})
+                child_params = dataclasses.replace(params, seed=params.seed + index)
             if grammar is not None:
                 self.structured_output.add(child_id, grammar)
             self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,

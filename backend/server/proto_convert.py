@@ -29,6 +29,7 @@ def sampling_params_from_proto(message: engine_pb2.SamplingParams) -> SamplingPa
         value = getattr(message, field.name)
         kwargs[field.name] = list(value) if field.is_repeated else value
     kwargs["logprob_token_ids"] = kwargs["logprob_token_ids"] or None  # empty: off
+    kwargs["logit_bias"] = dict(message.logit_bias) or None  # a map (its entries read as keys above)
     if "structured_outputs" in kwargs:
         kwargs["structured_outputs"] = structured_outputs_from_proto(message.structured_outputs)
     return SamplingParams(**kwargs)

@@ -33,6 +33,7 @@ class Limits:
     max_stop_sequence_length: int = 1024  # characters in one stop string (matched on every delta)
     max_logprobs: int = 20  # top alternatives per position (vLLM's --max-logprobs)
     max_logprob_token_ids: int = 128  # tokens whose logprobs one request asks for by ID (each a vocab-wide rank)
+    max_logit_bias: int = 300  # tokens one request biases (OpenAI's bound)
     max_cache_salt_length: int = 256  # characters
     max_request_id_length: int = 256  # characters (gRPC GenerateRequest.request_id)
     # ---- one HTTP request (frontend) ----
@@ -85,6 +86,9 @@ class Limits:
         if params.logprob_token_ids is not None:
             self._at_most("logprob_token_ids", len(params.logprob_token_ids), self.max_logprob_token_ids,
                           "max_logprob_token_ids", what="tokens in logprob_token_ids")
+        if params.logit_bias:
+            self._at_most("logit_bias", len(params.logit_bias), self.max_logit_bias, "max_logit_bias",
+                          what="tokens in logit_bias")
 
     def check_request_id(self, request_id: str) -> None:
         if not request_id:
@@ -135,6 +139,7 @@ _HELP = {
     "max_stop_sequence_length": "most characters in one stop string",
     "max_logprobs": "most top logprobs per position (logprobs, prompt_logprobs, top_logprobs)",
     "max_logprob_token_ids": "most tokens one request asks logprobs of by ID (logprob_token_ids)",
+    "max_logit_bias": "most tokens one request biases (logit_bias)",
     "max_cache_salt_length": "most characters in cache_salt",
     "max_request_id_length": "most characters in a gRPC request_id",
     "max_prompts_per_request": "most prompts in one /v1/completions request",
@@ -167,11 +172,12 @@ _HELP = {
 
 # The limits each process enforces, hence its flags (``tandem serve`` passes each its own).
 FRONTEND_LIMITS = ("max_n", "max_stop_sequences", "max_stop_sequence_length", "max_logprobs",
-                   "max_logprob_token_ids", "max_cache_salt_length", "max_prompts_per_request", "max_sequences_per_request",
+                   "max_logprob_token_ids", "max_logit_bias", "max_cache_salt_length", "max_prompts_per_request", "max_sequences_per_request",
                    "max_request_body_bytes", "request_timeout_s", "max_concurrent_requests", "retry_after_s", "max_grpc_message_bytes",
                    "trust_request_chat_template", "chat_template_workers", "chat_template_timeout_s",
                    "max_chat_template_output_bytes", "max_chat_template_memory_bytes",
                    "http_header_timeout_s", "http_body_timeout_s", "max_pending_connections",
                    "max_unauthenticated_requests", "max_concurrent_body_reads")
-BACKEND_LIMITS = ("max_n", "max_stop_sequences", "max_logprobs", "max_logprob_token_ids", "max_cache_salt_length",
+BACKEND_LIMITS = ("max_n", "max_stop_sequences", "max_logprobs", "max_logprob_token_ids", "max_logit_bias",
+                  "max_cache_salt_length",
                   "max_request_id_length", "max_num_queued_requests", "max_grpc_message_bytes")

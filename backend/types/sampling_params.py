@@ -5,6 +5,8 @@ Pure Python (no torch): both processes use these, in process or over gRPC.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 from dataclasses import dataclass
@@ -142,11 +144,15 @@ class SamplingParams:
     # Beam search (vLLM's): ``n`` beams, scored by cumulative logprob / length ** length_penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Token ID -> a bias in [-100, 100] added to its logit before sampling and logprobs (OpenAI's).
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if self.logprob_token_ids is not None:
             self.logprob_token_ids = list(self.logprob_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None  # empty: off
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -197,12 +203,19 @@ class SamplingParams:
                 bad("logprob_token_ids", "logprob_token_ids must be a non-empty list of token IDs.")
             if self.logprobs is not None:
                 bad("logprob_token_ids", "Give logprobs (the top k) or logprob_token_ids (these tokens), not both.")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                    bad("logit_bias", f"logit_bias keys must be token IDs (non-negative integers), got {token_id!r}.")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                    bad("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r} "
+                        f"for token {token_id}.")
         if self.use_beam_search:
             # Beams are ranked by the raw logprobs, as vLLM's are: temperature does not change
             # them; the filters and penalties below would, and are not implemented for beams.
             for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
                               ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0),
-                              ("structured_outputs", None), ("logprob_token_ids", None)):
+                              ("structured_outputs", None), ("logprob_token_ids", None), ("logit_bias", None)):
                 if getattr(self, name) != off:
                     bad(name, f"{name} cannot be combined with use_beam_search.")
             if self.logprobs is not None and self.logprobs > 0:
@@ -212,6 +225,12 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         """Each generated token comes with its logprobs (top-k or of logprob_token_ids)."""
         return self.logprobs is not None or self.logprob_token_ids is not None
+
+    @functools.cached_property
+    def logit_bias_entries(self) -> tuple[list[int], list[float]]:
+        """logit_bias as (token IDs, biases), made once per request."""
+        bias = self.logit_bias or {}
+        return list(bias), [float(value) for value in bias.values()]
 
     @property
     def has_penalties(self) -> bool:

@@ -1,7 +1,7 @@
 """Pick the next token of every sequence from its logits (vLLM's semantics).
 
 Order per step: structured-output mask → raw logprobs → min_tokens masking →
-penalties → greedy argmax or temperature → top-k → top-p → min-p →
+logit_bias → penalties → greedy argmax or temperature → top-k → top-p → min-p →
 exponential-race sampling. Logprobs describe the model's raw distribution
 (after the structured-output mask, as vLLM's), before any of the sampling
 transforms.
@@ -85,9 +85,10 @@ class Sampler:
         logprob_rows = [i for i, row in enumerate(rows) if row.params.wants_logprobs]
         min_tokens_rows = [i for i, row in enumerate(rows) if row.below_min_tokens]
         penalty_rows = [i for i, row in enumerate(rows) if row.has_penalties]
+        bias_rows = [i for i, row in enumerate(rows) if row.params.logit_bias]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
 
-        if not (logprob_rows or min_tokens_rows or penalty_rows or random_rows):
+        if not (logprob_rows or min_tokens_rows or penalty_rows or bias_rows or random_rows):
             # Hot path: the argmax is the same in any dtype, so skip the float32 copy.
             return SamplerOutput(kernels.argmax_rows(logits).tolist(), [None] * num_rows)
 
@@ -100,6 +101,8 @@ class Sampler:
         work = logits.to(torch.float32, copy=True)  # [num_rows, vocab]; the caller's logits stay intact
         if min_tokens_rows:
             _mask_stop_tokens(work, rows, min_tokens_rows)
+        if bias_rows:
+            _add_logit_bias(work, rows, bias_rows)
         if penalty_rows:
             _apply_penalties(work, rows, penalty_rows, penalty_history)
 
@@ -163,6 +166,21 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_indices
     if mask_rows:
         device = logits.device
         logits[torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device)] = _NEG_INF
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int]) -> None:
+    """Add each row's logit_bias to its logits (in place): one scatter for the batch."""
+    index_rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for i in row_indices:
+        row_tokens, row_values = rows[i].params.logit_bias_entries
+        index_rows.extend([i] * len(row_tokens))
+        tokens.extend(row_tokens)
+        values.extend(row_values)
+    device = logits.device
+    logits.index_put_((torch.tensor(index_rows, device=device), torch.tensor(tokens, device=device)),
+                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],

@@ -36,7 +36,6 @@ INT64 = Field(default=None, ge=-2**63, le=2**63 - 1)
 # vLLM request fields Tandem does not implement: a 400 names them when they are set
 # (to anything but null). The value says why, in the error message.
 UNSUPPORTED_FIELDS = {
-    "logit_bias": "logit_bias is not supported",
     "allowed_token_ids": "allowed_token_ids is not supported",
     "bad_words": "bad_words is not supported",
     "logits_processors": "logits processors are not supported",
@@ -104,7 +103,6 @@ class StructuredOutputsRequest(RequestModel):
 class Unsupported(RequestModel):
     """The fields of ``UNSUPPORTED_FIELDS`` (declared for the schema, refused when set)."""
 
-    logit_bias: Optional[dict[str, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     logits_processors: Optional[list[Any]] = None
@@ -136,6 +134,8 @@ class SamplingFields(Unsupported):
     length_penalty: float = 1.0
     prompt_logprobs: Optional[int] = None
     logprob_token_ids: Optional[list[int]] = None
+    # Token ID (as a string, OpenAI's form) -> a bias in [-100, 100] added to its logit.
+    logit_bias: Optional[dict[str, float]] = None
     return_token_ids: bool = False  # token IDs of the prompt and of each choice
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     truncate_prompt_tokens: Optional[int] = None  # keep the last k prompt tokens (-1: max_model_len)

@@ -59,6 +59,22 @@ def structured_outputs(request: P.SamplingFields) -> Optional[StructuredOutputsP
     return None
 
 
+def logit_bias(request: P.SamplingFields, limits: Limits) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias (token IDs as strings) with integer keys; its size bounded first."""
+    if not request.logit_bias:
+        return None
+    if len(request.logit_bias) > limits.max_logit_bias:
+        raise InvalidRequestError(f"logit_bias has {len(request.logit_bias)} tokens; at most "
+                                  f"{limits.max_logit_bias} are allowed (--max-logit-bias).", param="logit_bias")
+    biases: dict[int, float] = {}
+    for key, bias in request.logit_bias.items():
+        try:
+            biases[int(key)] = bias
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token IDs, got {key!r}.", param="logit_bias") from None
+    return biases
+
+
 def sampling_params(request: P.SamplingFields, max_tokens: int, logprobs: Optional[int],
                     prompt_logprobs: Optional[int], constraint: Optional[StructuredOutputsParams],
                     limits: Limits) -> SamplingParams:
@@ -79,7 +95,8 @@ def sampling_params(request: P.SamplingFields, max_tokens: int, logprobs: Option
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprob_token_ids=request.logprob_token_ids, structured_outputs=constraint,
-        use_beam_search=request.use_beam_search, length_penalty=request.length_penalty)
+        use_beam_search=request.use_beam_search, length_penalty=request.length_penalty,
+        logit_bias=logit_bias(request, limits))
     for name in _SAMPLING_DEFAULTS:  # None: the engine's default
         value = getattr(request, name)
         if value is not None:
