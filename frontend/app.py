@@ -1,7 +1,8 @@
 """The HTTP app: the routes, each delegating to its endpoint in ``frontend.serving``.
 
 Routes: /v1/completions, /v1/chat/completions, /invocations, /v1/models,
-/tokenize, /detokenize, /tokenizer_info, and Anthropic's /v1/messages and
+/tokenize, /detokenize, /tokenizer_info, OpenAI's Responses API (POST
+/v1/responses; GET and DELETE /v1/responses/{id}), and Anthropic's /v1/messages and
 /v1/messages/count_tokens, whose errors take Anthropic's shape (all behind
 ``--api-key`` when set), and
 /health, /load, /metrics, /version, /docs, /openapi.json (always open:
@@ -31,6 +32,7 @@ from frontend.http_protocol import head_deadline_protocol
 from frontend.middleware import (AdmissionMiddleware, AuthenticationMiddleware, BodyReaderMiddleware, HttpMetrics,
                                  MetricsMiddleware, RequestIdMiddleware)
 from frontend.protocol import anthropic as A
+from frontend.protocol import responses as R
 from frontend.serving.anthropic import AnthropicServingMessages
 from frontend.serving.anthropic_errors import anthropic_route_class
 from frontend.serving.base import ServingContext
@@ -39,11 +41,13 @@ from frontend.serving.completions import OpenAIServingCompletion
 from frontend.serving.errors import install_error_handlers
 from frontend.serving.invocations import OpenAIServingInvocations
 from frontend.serving.models import OpenAIServingModels
+from frontend.serving.responses import OpenAIServingResponses
 from frontend.serving.status import ServingStatus, tandem_version
 from frontend.serving.tokenize import OpenAIServingTokenization
 
 # The routes that queue work on the engine: admission control counts these.
-GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/messages"})
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/messages",
+                               "/v1/responses"})
 # The routes open without the API key (probes, metrics, the schema); none takes a body. Every
 # other path, unknown ones included, needs the key when one is set.
 OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
@@ -70,6 +74,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     serving_chat = OpenAIServingChat(context)
     serving_invocations = OpenAIServingInvocations(serving_chat, serving_completion)
     serving_messages = AnthropicServingMessages(context, serving_chat)
+    serving_responses = OpenAIServingResponses(context, serving_chat)
     serving_tokenization = OpenAIServingTokenization(context)
     serving_models = OpenAIServingModels(context)
     serving_status = ServingStatus(context, metrics.registry)
@@ -90,6 +95,20 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def invocations(raw_request: Request) -> Response:
         """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
         return await serving_invocations.create_invocation(raw_request)
+
+    @app.post("/v1/responses", response_model=R.ResponseObject)
+    async def create_response(request: R.ResponsesRequest, raw_request: Request) -> Response:
+        """OpenAI's Responses API (JSON, or its SSE events with ``stream``), served by the chat endpoint."""
+        return await serving_responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}", response_model=R.ResponseObject)
+    async def retrieve_response(response_id: str) -> Response:
+        """A response stored (``store``) by this frontend."""
+        return serving_responses.retrieve_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> R.DeletedResponse:
+        return serving_responses.delete_response(response_id)
 
     # Anthropic's Messages API: its routes answer errors in Anthropic's shape.
     anthropic_route = anthropic_route_class(limits.retry_after_s)

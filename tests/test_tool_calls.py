@@ -298,7 +298,8 @@ def test_a_required_reply_cut_by_max_tokens_returns_its_complete_calls(live, tok
     request = dict(model=MODEL, messages=ASK, max_tokens=max_tokens, tools=[SDK_TIME], tool_choice="required")
     whole = client.chat.completions.create(**request)
     assert whole.choices[0].finish_reason == "length" and whole.choices[0].message.content is None
-    assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == [("get_time", "{}")]
+    calls = whole.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_time", "{}")]
     # The SDK's stream() raises at a "length" finish, with what it accumulated.
     with client.chat.completions.stream(**request) as stream, pytest.raises(openai.LengthFinishReasonError) as cut:
         stream.get_final_completion()

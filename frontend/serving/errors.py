@@ -40,11 +40,16 @@ class RequestTooLargeError(InvalidRequestError):
     """The request body is larger than --max-request-body-bytes (HTTP 413)."""
 
 
+class NotFoundError(InvalidRequestError):
+    """What the request names (e.g. a stored response's ID) does not exist here (HTTP 404)."""
+
+
 HTTP_STATUS_CLIENT_CLOSED_REQUEST = 499  # nginx's: the client went away before the answer
 
 
 _STATUS_OF_ERROR: tuple[tuple[type[Exception], HTTPStatus], ...] = (
     (RequestTooLargeError, HTTPStatus.REQUEST_ENTITY_TOO_LARGE),  # before its base class
+    (NotFoundError, HTTPStatus.NOT_FOUND),  # before its base class
     (InvalidRequestError, HTTPStatus.BAD_REQUEST),
     (AuthenticationError, HTTPStatus.UNAUTHORIZED),
     (ModelNotFoundError, HTTPStatus.NOT_FOUND),
