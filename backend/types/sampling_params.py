@@ -232,6 +232,13 @@ class SamplingParams:
         bias = self.logit_bias or {}
         return list(bias), [float(value) for value in bias.values()]
 
+    @functools.cached_property
+    def argmax_only(self) -> bool:
+        """Each token is the argmax of the raw logits: greedy, and nothing else changes them or
+        asks for more than the token (no logprobs, penalties, logit_bias or min_tokens)."""
+        return (self.greedy and not self.wants_logprobs and not self.has_penalties and not self.logit_bias
+                and self.min_tokens == 0)
+
     @property
     def has_penalties(self) -> bool:
         """A repetition, frequency or presence penalty is on."""

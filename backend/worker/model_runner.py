@@ -331,6 +331,13 @@ class ModelRunner:
             s = sample_rows[start][0]
             groups.append((s, start, s.num_draft_tokens + 1))
             start += s.num_draft_tokens + 1
+        if grammar is None and len(groups) == len(sample_rows) and all(
+                s.sampling_params.argmax_only for s, _, _ in groups):
+            # Hot path: every row is a plain greedy pick (no drafts, masks, logprobs or penalties).
+            token_ids = kernels.argmax_rows(logits).tolist()
+            for (s, _, _), token_id in zip(groups, token_ids):
+                out.sampled_token_ids[s.request_id] = [token_id]
+            return
         allowed = None
         if grammar is not None:  # structured outputs: only then is there work here
             # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.
