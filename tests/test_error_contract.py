@@ -65,7 +65,7 @@ def assert_serving(stack: Stack) -> None:
 
 # ---- HTTP: (route, body, status, param) -----------------------------------------------------------
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -151,6 +151,18 @@ HTTP_CASES = [
     ("/tokenize", raw('{"prompt": "\\ud800"}'), 400, "prompt"),
     ("/tokenize", raw('{"messages": [{"role": "user", "content": "\\udfff"}]}'), 400, "messages"),
     ("/detokenize", raw('{"tokens": [1], "model": "\\ud800"}'), 400, "model"),
+    # OpenAI's Responses API: its fields named, as the chat endpoint's are
+    (RESPONSES, {"input": "Hi", "max_output_tokens": 10_000}, 400, "max_output_tokens"),
+    (RESPONSES, {"input": "Hello " * 20_000}, 400, "input"),
+    (RESPONSES, raw('{"input": "Hi", "temperature": NaN}'), 400, "temperature"),
+    (RESPONSES, raw('{"input": "\\ud800"}'), 400, "input"),
+    (RESPONSES, {"input": "Hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+    (RESPONSES, {"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input"),
+    (RESPONSES, {"input": "Hi", "tools": [{"type": "function", "name": "f"}],
+                 "tool_choice": {"type": "function", "name": "g"}}, 400, "tool_choice"),
+    (RESPONSES, {"input": "Hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    (RESPONSES, {"input": "Hi", "model": "no-such-model"}, 404, None),
+    (RESPONSES, raw('{"input": "Hi"'), 400, None),
     # a request's chat template is refused unless the server trusts them (--trust-request-chat-template)
     (CHAT, {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),
     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),
