@@ -45,7 +45,7 @@ from backend.types.limits import Limits
 from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs
 from backend.types.sampling_params import SamplingParams
 from backend.types.wire import AUTH_METADATA_KEY, ERROR_PARAM_METADATA_KEY, TOKEN_ENV
-from frontend.multiplexed_stream import MultiplexedStream, StreamUnsupported
+from frontend.multiplexed_stream import MultiplexedStream, StreamBroken, StreamUnsupported
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -348,6 +348,9 @@ class GrpcEngineClient:
                     logger.info("The backend at %s has no GenerateStream (an older version): one Generate "
                                 "call per request.", self.address)
                 self._stream_supported = False
+            except StreamBroken as error:  # nothing came out; Generate gets the backend's real status
+                logger.debug("GenerateStream to %s broke (%s); request %s goes by Generate.", self.address,
+                             error, request_id)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         call = self._engine.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
@@ -478,7 +481,7 @@ class GrpcEngineClient:
 
     async def close(self) -> None:
         streams, self._streams = self._streams, []
-        await asyncio.gather(*(stream.cancel() for stream in streams))
+        await asyncio.gather(*(stream.close() for stream in streams))
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None

@@ -11,7 +11,9 @@ here, so a backend that stops answering still ends it (``RequestTimeoutError``);
 becomes the same typed error (``error_from_code``). If the call itself fails, every request on
 it fails with the call's status (UNAVAILABLE when the backend dies: the router's health logic
 sees what it saw from Generate). A backend without the RPC answers UNIMPLEMENTED: each request
-then raises ``StreamUnsupported`` before any output, and the client sends it with Generate.
+then raises ``StreamUnsupported`` before any output, and the client sends it with Generate; a
+call that ends INTERNAL raises ``StreamBroken`` in the requests that had no output yet, which the
+client also sends again with Generate (see ``StreamBroken``).
 """
 
 from __future__ import annotations
@@ -34,11 +36,19 @@ RequestStatus = engine_pb2.RequestStatus
 _OK = grpc.StatusCode.OK.value[0]
 # Bytes of a GenerateStreamRequest around its items (each item's tag and length): room kept under the limit.
 ITEM_FRAMING_BYTES = 16
+CLOSE_GRACE_S = 1.0  # how long closing an idle call waits for the backend to end it
 MAX_ABORTS_PER_MESSAGE = 1024  # request IDs are at most 256 characters: ~0.26 MiB a message
 
 
 class StreamUnsupported(Exception):
     """The backend has no GenerateStream (UNIMPLEMENTED); nothing of the request ran."""
+
+
+class StreamBroken(Exception):
+    """The call failed INTERNAL before the request had any output: with gRPC's Python client, a
+    write racing the call's end replaces the status the backend sent (an UNAUTHENTICATED, an
+    UNAVAILABLE) with INTERNAL "Internal error from Core". The call's end aborted the request on
+    the backend; sent again with Generate, it gets the real status."""
 
 
 class _TimedOut:
@@ -103,7 +113,8 @@ class MultiplexedStream:
         self._half_closed = False
         self._cancelled = False
         self._failure: Optional[Callable[[], BaseException]] = None  # set once the call has ended
-        self._call = stub.GenerateStream(self._messages(), metadata=metadata)
+        self._call = stub.GenerateStream(metadata=metadata)  # written by _write, read by _read
+        self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
 
     @property
@@ -141,6 +152,7 @@ class MultiplexedStream:
         self._outgoing.append((item, item.ByteSize() + ITEM_FRAMING_BYTES))
         self._send_ready.set()
         ended = False  # the backend is done with it (its status came, or the call ended)
+        started = False  # it has had output
         to_output = self._to_output
         items = inbox.items
         try:
@@ -149,6 +161,7 @@ class MultiplexedStream:
                     await inbox.wait()
                 arrival = items.popleft()
                 if arrival.__class__ is GenerateResponse:
+                    started = True
                     yield to_output(request_id, arrival)
                 elif arrival.__class__ is RequestStatus:
                     ended = True
@@ -160,7 +173,11 @@ class MultiplexedStream:
                     raise RequestTimeoutError("The request did not finish before its deadline.")
                 else:  # the call ended: a function making this request's error
                     ended = True
-                    raise arrival()
+                    error = arrival()
+                    if isinstance(error, StreamBroken) and started:
+                        raise self._error_from_code(grpc.StatusCode.UNAVAILABLE,
+                                                    f"the GenerateStream call broke ({error})", None)
+                    raise error
         finally:
             if timer is not None:
                 timer.cancel()
@@ -179,23 +196,34 @@ class MultiplexedStream:
         self._half_closed = True
         self._send_ready.set()
 
-    async def cancel(self) -> None:
-        """End the call now: the backend aborts every request on it; they fail here."""
-        self._cancelled = True
-        self._call.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+    async def close(self, grace: float = CLOSE_GRACE_S) -> None:
+        """End the call: at once if requests are running (the backend aborts them; they fail here),
+        else by half-closing it and waiting up to ``grace`` seconds for the backend's end (which
+        leaves gRPC nothing in flight when the event loop closes)."""
+        if not self._requests and not self.ended:
+            self.half_close()
+            await asyncio.wait((self._reader,), timeout=grace)
+        if not self._reader.done():
+            self._cancelled = True
+            self._call.cancel()
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
 
     # ---- the two directions ------------------------------------------------------------------------
 
-    async def _messages(self) -> AsyncIterator[engine_pb2.GenerateStreamRequest]:
-        """What goes out: every request and abort queued since the last message, batched."""
-        while True:
-            await self._send_ready.wait()
-            self._send_ready.clear()
-            while self._outgoing or self._aborts:
-                yield self._next_message()
-            if self._half_closed:
-                return
+    async def _write(self) -> None:
+        """What goes out: every request and abort queued since the last message, batched; then,
+        once half-closed, the end of the client's side."""
+        try:
+            while self._failure is None:
+                await self._send_ready.wait()
+                self._send_ready.clear()
+                while self._outgoing or self._aborts:
+                    await self._call.write(self._next_message())
+                if self._half_closed:
+                    await self._call.done_writing()
+                    return
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the call has ended: the reader tells the requests why
 
     def _next_message(self) -> engine_pb2.GenerateStreamRequest:
         message = engine_pb2.GenerateStreamRequest()
@@ -224,11 +252,14 @@ class MultiplexedStream:
                     if entry.HasField("status"):
                         del requests[entry.request_id]
                         inbox.put(entry.status)
+            await self._call.code()  # the call's status has arrived: gRPC holds nothing of it any more
             failure = lambda: self._error_from_code(  # noqa: E731 -- a protocol error of the backend's
                 grpc.StatusCode.UNKNOWN, "the backend ended the GenerateStream call before the request ended", None)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 failure = StreamUnsupported
+            elif error.code() == grpc.StatusCode.INTERNAL:
+                failure = functools.partial(StreamBroken, error.details())
             else:
                 failure = functools.partial(self._error_from_call, error)  # a fresh error per request
         except asyncio.CancelledError:
@@ -240,6 +271,7 @@ class MultiplexedStream:
             for inbox in requests.values():
                 inbox.put(self._failure)
             requests.clear()
+            self._send_ready.set()  # ends the request iterator
 
 
 _STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}

@@ -125,9 +125,9 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
             self.aborted.discard(request.request_id)
 
     async def GenerateStream(self, requests, context: grpc.aio.ServicerContext) -> None:
+        self.num_generate_stream_calls += 1
         if not self.generate_stream:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-        self.num_generate_stream_calls += 1
         running: dict[str, list] = {}  # request ID -> [request, next step, max_tokens, deadline]
         arrived = asyncio.Event()
 
