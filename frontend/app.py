@@ -96,17 +96,21 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
         """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
         return await serving_invocations.create_invocation(raw_request)
 
-    @app.post("/v1/responses", response_model=R.ResponseObject)
+    # Documented answers: the response (JSON, or its events with ``stream``) and the errors.
+    error = {"model": P.ErrorResponse}
+    response_answers = {200: {"content": {"text/event-stream": {}}}, 400: error, 404: error, 413: error, 429: error}
+
+    @app.post("/v1/responses", response_model=R.ResponseObject, responses=response_answers)
     async def create_response(request: R.ResponsesRequest, raw_request: Request) -> Response:
         """OpenAI's Responses API (JSON, or its SSE events with ``stream``), served by the chat endpoint."""
         return await serving_responses.create_response(request, raw_request)
 
-    @app.get("/v1/responses/{response_id}", response_model=R.ResponseObject)
+    @app.get("/v1/responses/{response_id}", response_model=R.ResponseObject, responses={404: error})
     async def retrieve_response(response_id: str) -> Response:
         """A response stored (``store``) by this frontend."""
         return serving_responses.retrieve_response(response_id)
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses={404: error})
     async def delete_response(response_id: str) -> R.DeletedResponse:
         return serving_responses.delete_response(response_id)
 
