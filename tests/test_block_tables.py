@@ -48,3 +48,24 @@ def test_padded_tables_follow_appends_rebuilds_and_releases():
     assert np.array_equal(tables.padded([scheduled("b", b)]), from_lists([b]))
     tables.release(["a", "b", "never-seen"])
     assert len(tables) == 0
+
+
+class _AppendedWhileRead(list):
+    """A block list the engine's thread appends to while the runner reads it (async scheduling):
+    every ``len`` of it is followed by one more block."""
+
+    def __len__(self) -> int:
+        length = super().__len__()
+        super().append(1000 + length)
+        return length
+
+
+def test_a_table_appended_to_while_it_is_read_stays_consistent():
+    tables = BlockTables()
+    source = _AppendedWhileRead(range(20))
+    for _ in range(50):  # each read sees some prefix of the list, never a torn one
+        table = tables.padded([scheduled("a", source)])
+        count = table.shape[1]
+        assert count <= list.__len__(source)
+        assert table[0].tolist() == list.__getitem__(source, slice(0, count))
+        list.append(source, 7)

@@ -22,16 +22,18 @@ class _Row:
     def __init__(self, source: list[int]) -> None:
         self.source = source  # the list it mirrors
         self.blocks = np.array(source, dtype=np.int64)  # [capacity]; the first count are the table
-        self.count = len(source)
+        self.count = self.blocks.shape[0]  # not len(source): it may have grown since (see extend)
 
     def extend(self, source: list[int]) -> None:
-        new = len(source) - self.count
-        if self.count + new > self.blocks.shape[0]:
-            grown = np.empty(max(2 * self.blocks.shape[0], self.count + new), dtype=np.int64)
+        # With async scheduling the engine's thread may append to ``source`` while this runs:
+        # read a fixed length once (appends only, so everything before it stays as it was).
+        end = len(source)
+        if end > self.blocks.shape[0]:
+            grown = np.empty(max(2 * self.blocks.shape[0], end), dtype=np.int64)
             grown[:self.count] = self.blocks[:self.count]
             self.blocks = grown
-        self.blocks[self.count:self.count + new] = source[self.count:]
-        self.count += new
+        self.blocks[self.count:end] = source[self.count:end]
+        self.count = end
 
 
 class BlockTables:
