@@ -18,8 +18,9 @@ soon as its last one ended, for each workload and each C. Per run it reports:
   one stream as the client receives them (streaming workloads only).
 
 ``--parts`` then splits a streamed token's CPU (``measure_parts``): the app's own code through
-ASGI on an in-process stand-in engine, and the gRPC client alone reading one message per token;
-the rest of the process's figure is the HTTP server and the sockets.
+ASGI on an in-process stand-in engine, and the gRPC client alone (on Generate, one message per
+token, and on GenerateStream, one message per step of every request); the rest of the process's
+figure is the HTTP server and the sockets. ``--frontend-arg`` passes a flag to the frontend.
 
 Workloads: completions and chat, streamed and not, with and without logprobs
 (one top alternative), each ``max_tokens`` long with ``ignore_eos``; and
@@ -137,10 +138,13 @@ def free_port() -> int:
 # ---- the processes ---------------------------------------------------------------------------
 
 
-def start_stand_in(tokenizer_dir: str, step_ms: float = 0.0, timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
-    """The stand-in backend in a process of its own; returns it and its gRPC port."""
+def start_stand_in(tokenizer_dir: str, step_ms: float = 0.0, timeout: float = 60.0,
+                   generate_stream: bool = True) -> tuple[subprocess.Popen, int]:
+    """The stand-in backend in a process of its own; returns it and its gRPC port. Without
+    ``generate_stream`` it refuses GenerateStream, so a frontend sends one Generate per request."""
     proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "stand_in_backend.py"),
-                             "--tokenizer", tokenizer_dir, "--step-ms", str(step_ms)],
+                             "--tokenizer", tokenizer_dir, "--step-ms", str(step_ms),
+                             *([] if generate_stream else ["--no-generate-stream"])],
                             stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     deadline = time.monotonic() + timeout
     line = proc.stdout.readline()  # READY <port>, or "" if it died
@@ -261,9 +265,10 @@ def tiny_tokenizer(directory: Path) -> str:
 
 def run_bench(tokenizer_dir: str, workloads: list[Workload], concurrencies: list[int], max_tokens: int,
               tokens_per_run: int, frontend_args: list[str] = (), step_ms: float = 0.0,
-              report=print) -> list[dict]:
-    """Start the stand-in and a frontend, run every (workload, concurrency), stop both; the rows."""
-    stand_in, backend_port = start_stand_in(tokenizer_dir, step_ms)
+              report=print, rpc: str = "GenerateStream") -> list[dict]:
+    """Start the stand-in and a frontend, run every (workload, concurrency), stop both; the rows.
+    ``rpc``: what the frontend streams with (``Generate``: the stand-in refuses GenerateStream)."""
+    stand_in, backend_port = start_stand_in(tokenizer_dir, step_ms, generate_stream=rpc == "GenerateStream")
     frontend = None
     rows = []
     try:
@@ -273,7 +278,7 @@ def run_bench(tokenizer_dir: str, workloads: list[Workload], concurrencies: list
                 num_requests = requests_for(workload, concurrency, tokens_per_run, max_tokens)
                 result = asyncio.run(drive(url, "stand-in", workload, concurrency, num_requests, max_tokens,
                                            frontend.pid, stand_in.pid))
-                rows.append(result.row())
+                rows.append({"rpc": rpc, **result.row()})
                 report(format_row(rows[-1]))
     finally:
         if frontend is not None:
@@ -335,7 +340,8 @@ def measure_parts(tokenizer_dir: str, workloads: list[Workload], concurrencies: 
     - ``app``: the frontend's app (middleware, endpoint, detokenization, SSE chunks) called
       directly through ASGI on an in-process stand-in engine: no socket, no HTTP server, no gRPC;
     - ``grpc``: the frontend's gRPC client alone (``GrpcEngineClient.generate``) reading the
-      stand-in backend's streams: one message per token, nothing done with it.
+      stand-in backend's streams, nothing done with them: with Generate (one message per token
+      per request) and with GenerateStream (the default: one message per step of every request).
 
     The whole frontend process's figure minus these two is the HTTP server and sockets."""
     sys.path.insert(0, str(REPO_ROOT / "tests"))
@@ -372,33 +378,34 @@ def measure_parts(tokenizer_dir: str, workloads: list[Workload], concurrencies: 
             report(f"{'app (in-process ASGI)':<24} {workload.name:<28} {concurrency:>4} {rows[-1]['us_per_token']:>8.1f}")
     stand_in, port = start_stand_in(tokenizer_dir)
     try:
-        for concurrency in concurrencies:
-            num_requests = max(concurrency, tokens_per_run // max_tokens)
-            params = SamplingParams(max_tokens=max_tokens)
-            counter = iter(range(1 << 30))
+        for rpc, multiplexed in (("Generate", False), ("GenerateStream", True)):
+            for concurrency in concurrencies:
+                num_requests = max(concurrency, tokens_per_run // max_tokens)
+                params = SamplingParams(max_tokens=max_tokens)
+                counter = iter(range(1 << 30))
 
-            async def run_grpc() -> float:
-                client = GrpcEngineClient(f"127.0.0.1:{port}")
+                async def run_grpc() -> float:
+                    client = GrpcEngineClient(f"127.0.0.1:{port}", multiplexed=multiplexed)
 
-                async def one() -> None:
-                    async for _ in client.generate(f"r{next(counter)}", [1, 2, 3], params):
-                        pass
+                    async def one() -> None:
+                        async for _ in client.generate(f"r{next(counter)}", [1, 2, 3], params):
+                            pass
 
-                try:
-                    return await _concurrently(concurrency, num_requests, one)
-                finally:
-                    await client.close()
+                    try:
+                        return await _concurrently(concurrency, num_requests, one)
+                    finally:
+                        await client.close()
 
-            cpu = asyncio.run(run_grpc())
-            rows.append({"part": "grpc", "workload": "Generate streams", "concurrency": concurrency,
-                         "us_per_token": round(1e6 * cpu / (num_requests * max_tokens), 1)})
-            report(f"{'grpc client alone':<24} {'Generate streams':<28} {concurrency:>4} {rows[-1]['us_per_token']:>8.1f}")
+                cpu = asyncio.run(run_grpc())
+                rows.append({"part": "grpc", "workload": rpc, "concurrency": concurrency,
+                             "us_per_token": round(1e6 * cpu / (num_requests * max_tokens), 1)})
+                report(f"{'grpc client alone':<24} {rpc:<28} {concurrency:>4} {rows[-1]['us_per_token']:>8.1f}")
     finally:
         stop(stand_in)
     return rows
 
 
-HEADER = (f"{'workload':<28} {'C':>4} {'reqs':>5} {'tokens':>7} {'fe µs/tok':>9} {'fe µs/req':>9} "
+HEADER = (f"{'rpc':<15} {'workload':<28} {'C':>4} {'reqs':>5} {'tokens':>7} {'fe µs/tok':>9} {'fe µs/req':>9} "
           f"{'si µs/tok':>9} {'tok/s':>8} {'req/s':>7} {'itl p50':>8} {'itl p99':>8}")
 
 
@@ -406,7 +413,7 @@ def format_row(row: dict) -> str:
     def ms(value):
         return f"{value:8.2f}" if value is not None else f"{'-':>8}"
 
-    return (f"{row['workload']:<28} {row['concurrency']:>4} {row['requests']:>5} {row['tokens']:>7} "
+    return (f"{row['rpc']:<15} {row['workload']:<28} {row['concurrency']:>4} {row['requests']:>5} {row['tokens']:>7} "
             f"{row['frontend_us_per_token']:>9.1f} {row['frontend_us_per_request']:>9.0f} "
             f"{row['stand_in_us_per_token']:>9.1f} {row['tokens_per_s']:>8.0f} {row['requests_per_s']:>7.1f} "
             f"{ms(row['itl_p50_ms'])} {ms(row['itl_p99_ms'])}")
@@ -422,6 +429,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="about this many tokens per (workload, concurrency); at least a request per client")
     parser.add_argument("--workloads", default="all", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--step-ms", type=float, default=0.0, help="the stand-in's pause between steps")
+    parser.add_argument("--rpcs", default="GenerateStream",
+                        help="comma-separated: GenerateStream (one message per step of every request) and/or "
+                             "Generate (the stand-in refuses GenerateStream: one message per token per request)")
     parser.add_argument("--parts", action="store_true",
                         help="also measure the parts alone, in this process: the app through ASGI on an in-process "
                              "stand-in engine, and the gRPC client reading the stand-in's streams")
@@ -436,8 +446,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             tokenizer_dir = str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else tiny_tokenizer(Path(scratch))
         print(f"tokenizer {tokenizer_dir}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
         print(HEADER)
-        rows = run_bench(tokenizer_dir, workloads, concurrencies, args.max_tokens, args.tokens_per_run,
-                         args.frontend_arg, args.step_ms)
+        rows = []
+        for rpc in args.rpcs.split(","):
+            if rpc not in ("GenerateStream", "Generate"):
+                parser.error(f"--rpcs: {rpc!r} is neither GenerateStream nor Generate")
+            rows += run_bench(tokenizer_dir, workloads, concurrencies, args.max_tokens, args.tokens_per_run,
+                              args.frontend_arg, args.step_ms, rpc=rpc)
         parts = []
         if args.parts:
             print(f"{'part':<24} {'workload':<28} {'C':>4} {'µs/tok':>8}")

@@ -83,13 +83,13 @@ def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_p
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "frontend_capacity.py"), "--tokenizer", str(tokenizer_dir),
          "--concurrency", "2,4", "--max-tokens", "8", "--tokens-per-run", "256", "--workloads", ",".join(workloads),
-         "--parts", "--json", str(out)],
+         "--rpcs", "GenerateStream,Generate", "--parts", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
-    rows = {(row["workload"], row["concurrency"]): row for row in report["rows"]}
-    assert set(rows) == {(w, c) for w in workloads for c in (2, 4)}
-    for (workload, concurrency), row in rows.items():
+    rows = {(row["rpc"], row["workload"], row["concurrency"]): row for row in report["rows"]}
+    assert set(rows) == {(rpc, w, c) for rpc in ("GenerateStream", "Generate") for w in workloads for c in (2, 4)}
+    for (_, workload, concurrency), row in rows.items():
         per_request = 1 if workload == "chat-short" else 8
         assert row["requests"] >= concurrency
         assert row["tokens"] == row["requests"] * per_request, row  # from each response's usage
@@ -102,5 +102,5 @@ def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_p
     # --parts: the app alone for each streamed workload, and the gRPC client alone, at each concurrency.
     parts = {(part["part"], part["workload"], part["concurrency"]): part for part in report["parts"]}
     assert set(parts) == ({("app", w, c) for w in workloads if "stream" in w for c in (2, 4)}
-                          | {("grpc", "Generate streams", c) for c in (2, 4)})
+                          | {("grpc", rpc, c) for rpc in ("Generate", "GenerateStream") for c in (2, 4)})
     assert all(part["us_per_token"] > 0 for part in parts.values())
