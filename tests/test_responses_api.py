@@ -19,9 +19,11 @@ from conftest import TINY_VOCAB
 from fastapi.testclient import TestClient
 from helpers import LoopThread, uvicorn_on
 from test_api_server import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
+from test_invalid_unicode import _can_hold_text
 
 from backend.types.outputs import ModelInfo
 from frontend.app import create_app
+from frontend.protocol import responses as R
 from frontend.serving.response_store import ResponseStore, StoredResponse
 
 MAX_MODEL_LEN = 2048  # room for the tools' system prompt (long in the tiny vocabulary)
@@ -527,3 +529,44 @@ def test_sdk_on_a_real_model(real_stack):
         completion = chat_stream.get_final_completion()
     (chat_call,) = completion.choices[0].message.tool_calls
     assert json.loads(chat_call.function.arguments)["city"] in ("Paris", "London", "Rome")
+
+
+BAD = "ok \ud800 there"  # a lone high surrogate: not valid Unicode
+UNICODE_CASES = [
+    ("model", BAD), ("input", BAD), ("input", [{"role": "user", "content": BAD}]),
+    ("input", [{"role": "user", "content": [{"type": "input_text", "text": BAD}]}]),
+    ("input", [{"role": "assistant", "content": [{"type": "output_text", "text": BAD}]}]),
+    ("input", [{"role": "user", "content": "Hi", "id": BAD}]),
+    ("input", [{"type": "function_call", "call_id": BAD, "name": "f", "arguments": "{}"}]),
+    ("input", [{"type": "function_call", "call_id": "c", "name": BAD, "arguments": "{}"}]),
+    ("input", [{"type": "function_call", "call_id": "c", "name": "f", "arguments": BAD}]),
+    ("input", [{"type": "function_call_output", "call_id": "c", "output": BAD}]),
+    ("input", [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": BAD}]}]),
+    ("instructions", BAD), ("previous_response_id", BAD), ("user", BAD), ("safety_identifier", BAD),
+    ("metadata", {"k": BAD}), ("metadata", {BAD: "v"}),
+    ("tools", [{"type": "function", "name": BAD}]), ("tools", [{"type": "function", "name": "f", "description": BAD}]),
+    ("tools", [{"type": "function", "name": "f", "parameters": {"properties": {BAD: {}}}}]),
+    ("tool_choice", {"type": "function", "name": BAD}),
+    ("text", {"format": {"type": "json_schema", "name": BAD, "schema": {}}}),
+    ("text", {"format": {"type": "json_schema", "name": "x", "schema": {"enum": [BAD]}}}),
+] + [(name, BAD) for name in R.UNSUPPORTED_RESPONSES_FIELDS]
+
+
+@pytest.mark.parametrize("field, value", UNICODE_CASES, ids=[f"{i}-{case[0]}" for i, case in enumerate(UNICODE_CASES)])
+def test_text_that_is_not_unicode_is_refused_naming_its_field(client, engine, field, value):  # noqa: F811
+    request = {"model": MODEL, "input": "Hi", field: value}
+    # ensure_ascii: the lone surrogate is written as its \u escape, as a client would.
+    response = client.post("/v1/responses", content=json.dumps(request), headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field, error
+    if field not in R.UNSUPPORTED_RESPONSES_FIELDS:  # those are refused as such first
+        assert "U+D800" in error["message"] or "unicode string" in error["message"], error
+    assert engine.requests == []
+
+
+def test_every_text_field_has_a_unicode_case():
+    covered = {field for field, _ in UNICODE_CASES}
+    for name, field in R.ResponsesRequest.model_fields.items():
+        if _can_hold_text(field.annotation):
+            assert name in covered, f"no invalid-Unicode case for {name}"
