@@ -212,6 +212,19 @@ def test_an_auto_tool_call_is_a_function_call_item_streamed_or_not(client, engin
     assert json.loads(final["output"][1]["arguments"]) == {"city": "Paris"}
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(client, engine, tokenizer):  # noqa: F811
+    say(engine, tokenizer, CALL_TEXT + CALL_TEXT.replace("Paris", "Rome"))
+    request = {"model": MODEL, "input": "Weather?", "tools": [WEATHER], "max_output_tokens": 400}
+    both = client.post("/v1/responses", json=request).json()
+    assert [json.loads(item["arguments"]) for item in both["output"]] == [{"city": "Paris"}, {"city": "Rome"}]
+    request["parallel_tool_calls"] = False
+    one = client.post("/v1/responses", json=request).json()
+    assert [json.loads(item["arguments"]) for item in one["output"]] == [{"city": "Paris"}]
+    final = check_stream_contract(response_events(client.post("/v1/responses", json={**request, "stream": True})))
+    assert [json.loads(item["arguments"]) for item in final["output"]] == [{"city": "Paris"}]
+    assert final["parallel_tool_calls"] is False
+
+
 @pytest.mark.parametrize("tool_choice, reply", [
     ({"type": "function", "name": "get_weather"}, '{"city": "Paris"}'),
     ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]')])

@@ -16,7 +16,9 @@ Responses events, as they arrive, each with its ``sequence_number``:
     response.completed | response.incomplete (max_output_tokens) | response.failed
 
 An error once the stream began ends it with ``response.failed`` (the response's
-``error`` says what). Whitespace before a reply's first call is not a message
+``error`` says what). ``parallel_tool_calls: false`` keeps the first call only
+(``required`` is constrained to one; ``auto`` replies are parsed, so later
+calls are dropped). Whitespace before a reply's first call is not a message
 (as the whole reply's content, which is stripped around calls, is not).
 """
 
@@ -88,6 +90,8 @@ def response_of_chat(chat: dict, head: ResponseHead) -> R.ResponseObject:
     message = choice["message"]
     status, incomplete = finish_status(choice["finish_reason"])
     calls = message.get("tool_calls") or []
+    if not head.request.parallel_tool_calls:
+        calls = calls[:1]
     output: list = []
     if message.get("content") or not calls:
         output.append(R.OutputMessage(id=new_item_id("msg"), status=status,
@@ -216,6 +220,8 @@ class ResponseEventStream:
 
     def _tool_call(self, call: dict) -> list[str]:
         """A piece of the chat's ``delta.tool_calls``: a call's first (its id and name) opens its item."""
+        if not self.head.request.parallel_tool_calls and call.get("index", 0) > 0:
+            return []
         function = call.get("function") or {}
         events = []
         if call.get("id"):
