@@ -99,7 +99,9 @@ class GPT2LMHeadModel(nn.Module):
 
     pp_tensor_names = ("hidden_states",)
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, max_model_len: Optional[int] = None) -> None:
+        """max_model_len: taken for the registry's common signature; learned position
+        embeddings have nothing to size by it."""
         super().__init__()
         self.config = config
         self.pp_hidden_size = config.n_embd

@@ -125,7 +125,9 @@ class OPTForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
     pp_tensor_names = ("hidden_states",)
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, max_model_len: Optional[int] = None) -> None:
+        """max_model_len: taken for the registry's common signature; learned position
+        embeddings have nothing to size by it."""
         super().__init__()
         self.config = config
         self.pp_hidden_size = config.hidden_size

@@ -77,8 +77,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
-                model = model_cls(self.config.hf_config)
+            with torch.device(self.device):  # rotary tables: max_model_len rows, not the config's maximum
+                model = model_cls(self.config.hf_config, max_model_len=self.config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iter_weights(self.config.model_path))
