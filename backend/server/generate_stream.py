@@ -18,16 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import AsyncIterator, Iterable, Optional, Protocol
 
 import grpc
 
+from backend.server.metrics import EngineMetrics
 from backend.server.status_codes import UndecodableRequest, status_of
 from backend.types.errors import InvalidRequestError
+from backend.types.limits import Limits
 from protos.tandem.engine.v1 import engine_pb2
-
-if TYPE_CHECKING:
-    from backend.server.servicer import EngineServicer
 
 METHOD = "GenerateStream"
 _OK = engine_pb2.RequestStatus(code=grpc.StatusCode.OK.value[0])
@@ -39,10 +38,22 @@ def request_status(code: grpc.StatusCode, message: str = "", param: Optional[str
     return engine_pb2.RequestStatus(code=code.value[0], message=message, error_param=param or "")
 
 
+class RequestRunner(Protocol):
+    """What a call needs of the servicer (``EngineServicer``): a request run as Generate runs it."""
+
+    limits: Limits
+    metrics: Optional[EngineMetrics]
+
+    def request_responses(self, request: engine_pb2.GenerateRequest, deadline: Optional[float],
+                          caller: object) -> AsyncIterator[engine_pb2.GenerateResponse]: ...
+
+    async def abort_requests(self, request_ids: Iterable[str], caller: object) -> None: ...
+
+
 class GenerateStreamCall:
     """One GenerateStream call: its requests' tasks and the outbox its writer drains."""
 
-    def __init__(self, servicer: "EngineServicer", context: grpc.aio.ServicerContext, caller: object) -> None:
+    def __init__(self, servicer: RequestRunner, context: grpc.aio.ServicerContext, caller: object) -> None:
         self.servicer = servicer
         self.context = context
         self.caller = caller  # who may abort its requests (``servicer.caller_of``)
