@@ -240,8 +240,11 @@ def phase_logits(plan: Plan, state: dict, tmp: Path) -> list[dict]:
         prompts = random_prompts(plan.logit_prompts, hf.config.vocab_size, seed=1)
         params = SamplingParams(temperature=0.0, max_tokens=plan.greedy_tokens, ignore_eos=True, prompt_logprobs=1)
         runs = {}
-        for mode, eager in (("eager", True), ("graphs", False)):
-            engine = make_engine(model_dir, plan, dtype="float32", enforce_eager=eager, max_num_seqs=8)
+        # Async scheduling (on by default with CUDA) runs each step while the engine processes the last.
+        for mode, eager, pipelined in (("eager", True, False), ("graphs", False, False),
+                                       ("graphs_async", False, True)):
+            engine = make_engine(model_dir, plan, dtype="float32", enforce_eager=eager, max_num_seqs=8,
+                                 async_scheduling=pipelined)
             got = {str(i): [] for i in range(len(prompts))}
             prompt_lps = {}
             for i, p in enumerate(prompts):
@@ -269,7 +272,8 @@ def phase_logits(plan: Plan, state: dict, tmp: Path) -> list[dict]:
         release(hf)
         rows.append({"model": name, "dtype": "float32", "max_abs_logprob_diff": max_diff,
                      "greedy_equal_eager": runs["eager"][0] == want,
-                     "greedy_equal_graphs": runs["graphs"][0] == want, "prompts": len(prompts)})
+                     "greedy_equal_graphs": runs["graphs"][0] == want,
+                     "greedy_equal_graphs_async": runs["graphs_async"][0] == want, "prompts": len(prompts)})
     return rows
 
 
@@ -414,6 +418,10 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 value, ok = {"error": f"{type(exc).__name__}: {exc}"}, False
             results.record(name, value)
+            if name == "logits" and isinstance(value, list) and not all(
+                    row[key] for row in value for key in row if key.startswith("greedy_equal")):
+                print("WRONG TOKENS: the engine's greedy tokens differ from HF's (phase logits)", flush=True)
+                ok = False
             print(f"[{time.monotonic() - start:6.1f} s] {name} done in {time.monotonic() - phase_start:.1f} s",
                   flush=True)
     imported = {m.split(".")[0] for m in sys.modules}

@@ -24,7 +24,8 @@ def test_gpu_check_tiny_runs_every_phase(tmp_path):
     assert kernels == {"paged_attention", "fused_add_rms_norm", "apply_rotary", "write_kv_cache"}
     assert all(r["max_abs_err"] < 0.1 and r["triton_us"] > 0 for r in phases["kernels"])
     assert [r["model"] for r in phases["logits"]] == ["smollm2-135m", "llama-3.2-1b", "qwen2.5-0.5b"]
-    assert all(r["greedy_equal_eager"] and r["greedy_equal_graphs"] and r["max_abs_logprob_diff"] < 1e-3
+    assert all(r["greedy_equal_eager"] and r["greedy_equal_graphs"] and r["greedy_equal_graphs_async"]
+               and r["max_abs_logprob_diff"] < 1e-3
                for r in phases["logits"])
     assert all(r["same_tokens_eager_graphs"] and r["capture_s"] > 0 for r in phases["graphs"])
     assert [r["batch"] for r in phases["sweep"]] == [1, 2, 4] * 2
