@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
@@ -14,6 +16,7 @@ from backend.types.config import EngineConfig
 from backend.types.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from backend.types.limits import Limits
 from backend.types.outputs import EngineLoad, EngineOutput, ModelInfo
+from backend.types.pooling import PoolingParams
 from backend.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,23 @@ class AsyncLLMEngine:
             del self._streams[request_id]
             if remaining:
                 await self.abort(request_id)
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams, *,
+                    deadline: Optional[float] = None) -> list[float]:
+        """The prompt's pooled final hidden state (fp32, ``pooling``'s way): the prompt runs through
+        the scheduler like any other (chunked, batched), samples one throwaway greedy token, and
+        frees its blocks. Raises as ``generate`` does."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        # Mean pooling needs every position computed here: a salt of its own means no prefix hit.
+        salt = f"embed-{uuid.uuid4().hex}" if pooling.type == "mean" else None
+        async with contextlib.aclosing(self.generate(request_id, prompt_token_ids, params, deadline=deadline,
+                                                     cache_salt=salt)) as outputs:
+            async for output in outputs:
+                if output.finished:
+                    if output.pooled is None:  # aborted (its deadline) before its prompt was computed
+                        raise RequestFailedError("The embedding request ended before its prompt was computed.")
+                    return output.pooled
+        raise RequestFailedError("The embedding request ended without output.")
 
     async def abort(self, request_id: str) -> None:
         with self._lock:

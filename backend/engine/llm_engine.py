@@ -379,6 +379,7 @@ class LLMEngine:
             finish_reason=reason, stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooled=runner_out.pooled.get(s.request_id),
             # A one-token prompt has no logprobs computed: its list is [None], as any prompt's starts.
             prompt_logprobs=(request.prompt_logprobs or [None]) if first and request.wants_prompt_logprobs
             else None))

@@ -18,3 +18,6 @@ class ModelRunnerOutput:
     # request ID -> why its sampling or logprobs failed this step (it has no entry above); the
     # engine ends that request alone
     failed: dict[str, str] = field(default_factory=dict)
+    # request ID -> its pooled final hidden state (fp32), on the step that computed its last prompt
+    # token (requests with SamplingParams.pooling only; see backend/worker/pooler.py)
+    pooled: dict[str, list[float]] = field(default_factory=dict)

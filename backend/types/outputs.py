@@ -52,6 +52,8 @@ class EngineOutput:
     # Every unfinished sequence of that request gets one; ``AsyncLLMEngine`` raises it as a
     # ``RequestFailedError``.
     error: Optional[str] = None
+    # An embedding request's pooled hidden state (fp32), with its final output.
+    pooled: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:

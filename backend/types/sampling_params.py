@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from backend.types.errors import InvalidRequestError
+from backend.types.pooling import PoolingParams
 
 # The longest schema, regex or grammar (in characters) a request may carry: compiling
 # one costs time and memory on the backend, so it is bounded before anything is queued.
@@ -146,6 +147,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     # Token ID -> a bias in [-100, 100] added to its logit before sampling and logprobs (OpenAI's).
     logit_bias: Optional[dict[int, float]] = None
+    # Set only by the engine's embed path (never from a Generate request): the request computes its
+    # prompt, returns the pooled hidden state with its one (greedy) token, and ends.
+    pooling: Optional[PoolingParams] = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)

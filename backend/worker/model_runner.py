@@ -29,6 +29,7 @@ from backend.worker.block_tables import BlockTables
 from backend.worker.draft_acceptance import accept_drafts
 from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
 from backend.worker.penalty_history import PenaltyHistory
+from backend.worker.pooler import Pooler
 from backend.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.penalty_history: Optional[PenaltyHistory] = None  # made at the first penalized request
+        self.pooler = Pooler()  # embedding requests' pooled hidden states
         self.block_tables = BlockTables()  # each running sequence's table, extended step by step
         # Each sequence's last sampled token: what a placeholder in its next step's tokens stands for.
         self.last_sampled: dict[str, int] = {}
@@ -280,6 +282,7 @@ class ModelRunner:
             self.generators.pop(request_id, None)
             self.last_sampled.pop(request_id, None)
         self.block_tables.release(sched.finished_request_ids)
+        self.pooler.release(sched.finished_request_ids)
         if self.penalty_history is not None:
             self.penalty_history.release(sched.finished_request_ids)
         out = ModelRunnerOutput()
@@ -287,6 +290,8 @@ class ModelRunner:
             return out
         inputs = self._prepare_inputs(sched.scheduled)
         hidden = self._forward(inputs)  # [num_tokens, hidden]; None before the last pipeline stage
+        if hidden is not None and any(s.sampling_params.pooling is not None for s in sched.scheduled):
+            self.pooler.step(sched.scheduled, hidden, out)
         if hidden is None or not inputs.logits_rows:
             return out
         rows = torch.tensor(inputs.logits_rows, dtype=torch.int64, device=self.device)
