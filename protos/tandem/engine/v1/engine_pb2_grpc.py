@@ -70,6 +70,11 @@ class EngineServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/Embed',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -133,6 +138,18 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One prompt's embedding: its final hidden states (after the model's final
+        norm) pooled. The prompt runs through the scheduler like a Generate
+        request (it counts towards admission and may be chunked), keeps no KV
+        blocks afterwards, and the call ends with one response. Errors as
+        Generate's (INVALID_ARGUMENT naming `prompt` for an empty or too long
+        prompt, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +187,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -362,6 +384,33 @@ class EngineService:
             '/tandem.engine.v1.EngineService/GenerateStream',
             tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/Embed',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
