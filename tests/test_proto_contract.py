@@ -130,7 +130,8 @@ def test_finish_reasons_mirror_the_backend():
 def test_sampling_params_mirror_the_backend_except_text_only_fields():
     backend_fields = {f.name for f in dataclasses.fields(SamplingParams)}
     proto_fields = set(engine_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
-    assert proto_fields == backend_fields - FRONTEND_ONLY_SAMPLING_FIELDS
+    # pooling is set by the engine's embed path (Embed's EmbedRequest carries it), never by Generate.
+    assert proto_fields == backend_fields - FRONTEND_ONLY_SAMPLING_FIELDS - {"pooling"}
 
 
 def test_optional_marks_exactly_the_fields_whose_unset_differs_from_zero():
@@ -154,6 +155,8 @@ def test_outputs_mirror_engine_output_model_info_and_load():
     engine_output_fields = engine_output_fields - {"stop_reason"} | {"stop_token_id"}
     # A request that failed in the engine ends its call with status INTERNAL: no field carries it.
     engine_output_fields -= {"error"}
+    # An embedding's pooled vector comes back in EmbedResponse, not in a GenerateResponse.
+    engine_output_fields -= {"pooled"}
     assert response_fields == engine_output_fields | {"num_completion_tokens"}
 
     info_fields = set(engine_pb2.GetModelInfoResponse.DESCRIPTOR.fields_by_name)
@@ -266,4 +269,4 @@ def test_stubs_stream_generate_and_serve_beside_health_and_reflection(echo_serve
         "tandem.engine.v1.EngineService")
     assert reflected.name == "tandem/engine/v1/engine.proto"
     assert [m.name for m in reflected.service[0].method] == [
-        "Generate", "Abort", "GetModelInfo", "GetTokenizer", "GetLoad", "GetMetrics", "GenerateStream"]
+        "Generate", "Abort", "GetModelInfo", "GetTokenizer", "GetLoad", "GetMetrics", "GenerateStream", "Embed"]
