@@ -473,3 +473,35 @@ def test_a_refusal_on_the_call_reaches_the_router_as_on_generate(tokenizer_dir):
 
     duplicate = asyncio.run(asyncio.wait_for(run(), 30))
     assert duplicate.param == "request_id"
+
+
+@pytest.mark.timeout(60)
+def test_an_old_call_takes_no_new_requests_and_ends_once_its_own_have(tokenizer_dir, monkeypatch):
+    """Past STREAM_MAX_AGE_S a call is half-closed: new requests open a new call (so connection
+    ageing and DNS changes still move traffic), while those running on the old one finish there."""
+    import frontend.grpc_client as grpc_client
+
+    async def run():
+        servicer, server, port = await _serve_stand_in(tokenizer_dir, step_ms=2)
+        client = GrpcEngineClient(f"127.0.0.1:{port}")
+        try:
+            old = client.generate("on-the-old-call", [1], SamplingParams(max_tokens=40))
+            await anext(old)
+            monkeypatch.setattr(grpc_client, "STREAM_MAX_AGE_S", 0.0)
+            new = [o async for o in client.generate("on-a-new-call", [2], SamplingParams(max_tokens=3))]
+            rest = [o async for o in old]
+            calls = servicer.num_generate_stream_calls
+            monkeypatch.setattr(grpc_client, "STREAM_MAX_AGE_S", 60.0)
+            deadline = time.monotonic() + 10
+            while not client._streams[0].ended:  # the old call ends by itself, its request done
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            return new, rest, calls
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    new, rest, calls = asyncio.run(asyncio.wait_for(run(), 30))
+    assert calls == 2
+    assert new[-1].finish_reason == FinishReason.LENGTH and len(new) == 3
+    assert rest[-1].finish_reason == FinishReason.LENGTH and len(rest) == 39
