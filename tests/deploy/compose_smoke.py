@@ -1,6 +1,6 @@
 """The compose stack's checks (run by compose_smoke.sh, which builds the images first).
 
-    python tests/deploy/compose_smoke.py --compose "docker-compose -f compose.cpu.yaml -f X -p P" --port N
+    python tests/deploy/compose_smoke.py --compose "docker compose -f compose.cpu.yaml -f X -p P" --port N
 
 Brings up 2 backends, 2 frontends and the load balancer, and asserts: every service healthy;
 a completion and a streamed chat through the load balancer succeed; both frontends and both

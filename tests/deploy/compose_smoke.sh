@@ -4,7 +4,7 @@
 #
 #   tests/deploy/compose_smoke.sh
 #
-# 1. Starts dockerd if no Docker engine answers (docker.io and docker-compose must be installed).
+# 1. Starts dockerd if no Docker engine answers (docker.io and the Compose v2 plugin must be installed).
 # 2. Builds a base image locally (deploy/base-image.sh: debootstrap + docker import), the load
 #    balancer's image from it (Debian's nginx), a wheelhouse (deploy/wheelhouse.sh), and both
 #    Tandem images from the base and the wheelhouse with `pip install --no-index`.
@@ -28,13 +28,15 @@ say() { echo "[smoke $(date +%H:%M:%S)] $*"; }
 
 # ---- the Docker engine and compose ----
 if ! docker info >/dev/null 2>&1; then
-    command -v dockerd >/dev/null || { echo "error: no Docker engine (apt-get install docker.io docker-compose)" >&2; exit 1; }
+    command -v dockerd >/dev/null || { echo "error: no Docker engine (apt-get install docker.io)" >&2; exit 1; }
     say "starting dockerd"
     nohup dockerd >"$cache/dockerd.log" 2>&1 &
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || { tail -20 "$cache/dockerd.log" >&2; echo "error: dockerd did not start in 60 s" >&2; exit 1; }
 fi
-if docker compose version >/dev/null 2>&1; then compose=(docker compose); else compose=(docker-compose); fi
+# Compose v2 (`docker compose`), what the README types; .ci/run installs it from PyPI where missing.
+docker compose version >/dev/null 2>&1 || { echo "error: no Docker Compose v2 plugin (\`docker compose\`): see the README's Deploy section" >&2; exit 1; }
+compose=(docker compose)
 say "engine $(docker version -f '{{.Server.Version}}'), compose: ${compose[*]} ($("${compose[@]}" version --short))"
 
 cleanup() {
@@ -67,9 +69,8 @@ make_tiny_checkpoint(Path(sys.argv[1]), 'llama')" "$work/model" 2>/dev/null
 chmod -R a+rX "$work/model"
 
 export TANDEM_FRONTEND_BASE=$base_image TANDEM_BACKEND_BASE=$base_image TANDEM_LB_IMAGE=$lb_image
-# The shared secret the backends require of the frontends (they listen beyond loopback).
-TANDEM_GRPC_TOKEN=$(python -c "import secrets; print(secrets.token_hex(16))")
-export TANDEM_GRPC_TOKEN
+# No TANDEM_GRPC_TOKEN: the stack's grpc-token service provisions one, as for a user who sets nothing.
+unset TANDEM_GRPC_TOKEN
 export TANDEM_FRONTEND_WHEELHOUSE=.wheelhouse/frontend TANDEM_BACKEND_WHEELHOUSE=.wheelhouse/backend
 export TANDEM_PIP_ARGS=--no-index
 export TANDEM_FRONTEND_IMAGE=tandem-frontend:smoke TANDEM_BACKEND_IMAGE=tandem-backend-cpu:smoke
