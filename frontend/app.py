@@ -1,6 +1,6 @@
 """The HTTP app: the routes, each delegating to its endpoint in ``frontend.serving``.
 
-Routes: /v1/completions, /v1/chat/completions, /invocations, /v1/models,
+Routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /invocations, /v1/models,
 /tokenize, /detokenize, /tokenizer_info, OpenAI's Responses API (POST
 /v1/responses; GET and DELETE /v1/responses/{id}), and Anthropic's /v1/messages and
 /v1/messages/count_tokens, whose errors take Anthropic's shape (all behind
@@ -38,6 +38,7 @@ from frontend.serving.anthropic_errors import anthropic_route_class
 from frontend.serving.base import ServingContext
 from frontend.serving.chat import OpenAIServingChat
 from frontend.serving.completions import OpenAIServingCompletion
+from frontend.serving.embeddings import OpenAIServingEmbedding
 from frontend.serving.errors import install_error_handlers
 from frontend.serving.invocations import OpenAIServingInvocations
 from frontend.serving.models import OpenAIServingModels
@@ -47,7 +48,7 @@ from frontend.serving.tokenize import OpenAIServingTokenization
 
 # The routes that queue work on the engine: admission control counts these.
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/messages",
-                               "/v1/responses"})
+                               "/v1/responses", "/v1/embeddings"})
 # The routes open without the API key (probes, metrics, the schema); none takes a body. Every
 # other path, unknown ones included, needs the key when one is set.
 OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
@@ -76,6 +77,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     serving_messages = AnthropicServingMessages(context, serving_chat)
     serving_responses = OpenAIServingResponses(context, serving_chat)
     serving_tokenization = OpenAIServingTokenization(context)
+    serving_embedding = OpenAIServingEmbedding(context)
     serving_models = OpenAIServingModels(context)
     serving_status = ServingStatus(context, metrics.registry)
     # /openapi.json and /docs describe exactly the request models the routes parse.
@@ -90,6 +92,11 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving_chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/embeddings", response_model=P.EmbeddingResponse)
+    async def create_embeddings(request: P.EmbeddingRequest, raw_request: Request) -> Response:
+        """Each input's pooled final hidden states (OpenAI's embeddings API)."""
+        return await serving_embedding.create_embedding(request, raw_request)
 
     @app.post("/invocations", response_model=None)
     async def invocations(raw_request: Request) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Optional, Protocol, runtime_checkable
 
 from backend.types.outputs import EngineLoad, EngineOutput, ModelInfo
+from backend.types.pooling import PoolingParams
 from backend.types.sampling_params import SamplingParams
 
 
@@ -25,6 +26,11 @@ class EngineClient(Protocol):
         ``deadline`` (``time.monotonic()`` seconds) the engine aborts it.
         ``cache_salt``: only requests with the same salt share prefix-cache blocks.
         """
+        ...
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams, *,
+                    deadline: Optional[float] = None) -> list[float]:
+        """One prompt's final hidden states pooled (fp32); raises as ``generate`` does."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -42,6 +42,7 @@ from backend.types.errors import (EngineDeadError, InvalidRequestError, Overload
                                   RequestTimeoutError, TandemError)
 from backend.types.limits import Limits
 from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs
+from backend.types.pooling import PoolingParams
 from backend.types.sampling_params import SamplingParams
 from backend.types.wire import ERROR_PARAM_METADATA_KEY, TOKEN_ENV
 from frontend.channel_security import ChannelSecurity  # noqa: F401 -- part of this module's API
@@ -327,6 +328,23 @@ class GrpcEngineClient:
                                         error_from_code, error_from_status, output_from_response)
             self._streams.append(current)
         return current if current.fits(request) else None
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams, *,
+                    deadline: Optional[float] = None) -> list[float]:
+        """One prompt's pooled hidden state (the Embed RPC); ``deadline`` as ``generate``'s."""
+        try:
+            request = engine_pb2.EmbedRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, normalize=pooling.normalize,
+                pooling_type=engine_pb2.POOLING_TYPE_MEAN if pooling.type == "mean" else engine_pb2.POOLING_TYPE_LAST)
+        except ValueError as error:  # e.g. a negative token ID, which uint32 cannot hold
+            raise InvalidRequestError(f"The request cannot be sent to the backend: {error}") from None
+        await self._check_backend()
+        timeout = UNARY_TIMEOUT_S if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            response = await self._engine.Embed(request, timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_status(error) from None
+        return list(response.embedding)
 
     async def abort(self, request_id: str) -> None:
         for stream in self._streams:

@@ -259,6 +259,32 @@ class Router:
                 if backend.retired and backend.in_flight == 0:
                     await self._close_backend(backend)
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int], pooling, **options) -> list[float]:
+        """One prompt's embedding from the chosen backend; UNAVAILABLE and RESOURCE_EXHAUSTED send
+        it to the next choice, as ``generate`` does before its first delta."""
+        tried: set[str] = set()
+        last_error: Optional[TandemError] = None
+        while True:
+            try:
+                backend, reason = self.choose(prompt_token_ids, None, frozenset(tried))
+            except NoBackendError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            backend.requests[reason] = backend.requests.get(reason, 0) + 1
+            backend.in_flight += 1
+            try:
+                return await backend.client.embed(request_id, prompt_token_ids, pooling, **options)
+            except (BackendUnavailableError, BackendOverloadedError) as error:
+                if isinstance(error, BackendUnavailableError):
+                    self._mark_down(backend, str(error))
+                tried.add(backend.address)
+                last_error = error
+            finally:
+                backend.in_flight -= 1
+                if backend.retired and backend.in_flight == 0:
+                    await self._close_backend(backend)
+
     async def abort(self, request_id: str) -> None:
         backend = self._requests.get(request_id)
         if backend is not None:

@@ -113,6 +113,14 @@ class FakeEngine:
         finally:
             (self.finished if ended else self.closed_early).append(request_id)
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int], pooling, *, deadline=None) -> list[float]:
+        """A 4-float vector made from the prompt (its length, first and last token, the pooling)."""
+        self.requests.append((request_id, list(prompt_token_ids), pooling))
+        if self.fail_before_first is not None:
+            raise self.fail_before_first
+        return [float(len(prompt_token_ids)), float(prompt_token_ids[0]), float(prompt_token_ids[-1]),
+                1.0 if pooling.type == "mean" else 0.0]
+
     async def abort(self, request_id: str) -> None:
         self.closed_early.append(request_id)
 

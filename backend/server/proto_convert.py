@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import EngineOutput, FinishReason, Logprob, PositionLogprobs
+from backend.types.pooling import PoolingParams
 from backend.types.sampling_params import SamplingParams, StructuredOutputsParams
 from protos.tandem.engine.v1 import engine_pb2
 
@@ -73,3 +74,15 @@ def response_from_output(output: EngineOutput, num_completion_tokens: int) -> en
         response.prompt_logprobs.positions.extend(
             position_logprobs_to_proto(p) for p in output.prompt_logprobs[1:])
     return response
+
+
+_POOLING_TYPES = {engine_pb2.POOLING_TYPE_UNSPECIFIED: "last", engine_pb2.POOLING_TYPE_LAST: "last",
+                  engine_pb2.POOLING_TYPE_MEAN: "mean"}
+
+
+def pooling_params_from_proto(request: engine_pb2.EmbedRequest) -> PoolingParams:
+    """An EmbedRequest's pooling; an unknown PoolingType number is refused naming ``pooling_type``."""
+    kind = _POOLING_TYPES.get(request.pooling_type)
+    if kind is None:
+        raise InvalidRequestError(f"Unknown pooling_type {request.pooling_type}.", param="pooling_type")
+    return PoolingParams(kind, request.normalize if request.HasField("normalize") else True)

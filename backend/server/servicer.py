@@ -28,10 +28,10 @@ from prometheus_client import generate_latest
 from backend.engine.async_llm_engine import AsyncLLMEngine
 from backend.server.generate_stream import GenerateStreamCall
 from backend.server.metrics import EngineMetrics
-from backend.server.proto_convert import response_from_output, sampling_params_from_proto
+from backend.server.proto_convert import pooling_params_from_proto, response_from_output, sampling_params_from_proto
 from backend.server.status_codes import BackendShuttingDownError, map_errors, safe_deserializer
 from backend.types.config import EngineConfig
-from backend.types.errors import InvalidRequestError, OverloadedError, RequestTimeoutError
+from backend.types.errors import InvalidRequestError, OverloadedError, RequestFailedError, RequestTimeoutError
 from backend.types.limits import Limits
 from backend.types.outputs import EngineOutput, FinishReason
 from backend.types.tokenizer_files import tokenizer_file_names, tokenizer_fingerprint
@@ -249,6 +249,42 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             del self._callers[request_id]
             if not self._stop_events:
                 self._idle.set()
+
+    @map_errors
+    async def Embed(self, request: engine_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> engine_pb2.EmbedResponse:
+        """One prompt's pooled hidden state. Admitted, bounded and drained as a one-sequence
+        Generate call; a cancelled call (or its deadline) aborts it in the engine. Abort ignores
+        it (a unary call is stopped by cancelling it)."""
+        if self._draining:
+            raise BackendShuttingDownError("The backend is shutting down; send the request to another one.")
+        request_id = request.request_id
+        self.limits.check_request_id(request_id)
+        if request_id in self._stop_events:
+            raise InvalidRequestError(f"Request ID {request_id!r} is already in use.", param="request_id")
+        pooling = pooling_params_from_proto(request)
+        if self.num_sequences_in_flight + 1 > self.max_sequences_in_flight:
+            raise OverloadedError(
+                f"The backend is at its limit of {self.max_sequences_in_flight} sequences in flight "
+                "(max_num_seqs + --max-num-queued-requests); retry later or on another backend.")
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        prompt = list(request.prompt_token_ids)
+        self._stop_events[request_id] = asyncio.Event()  # the ID is taken; no caller: Abort skips it
+        self.num_sequences_in_flight += 1
+        self._idle.clear()
+        try:
+            embedding = await self.engine.embed(request_id, prompt, pooling, deadline=deadline)
+        except RequestFailedError:
+            if deadline is not None and time.monotonic() >= deadline - DEADLINE_EARLY_CANCEL_S:
+                raise RequestTimeoutError("The call's deadline passed; the engine aborted the request.") from None
+            raise
+        finally:
+            self.num_sequences_in_flight -= 1
+            del self._stop_events[request_id]
+            if not self._stop_events:
+                self._idle.set()
+        return engine_pb2.EmbedResponse(embedding=embedding, num_prompt_tokens=len(prompt))
 
     @map_errors
     async def Abort(self, request: engine_pb2.AbortRequest,

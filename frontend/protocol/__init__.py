@@ -25,6 +25,7 @@ from frontend.protocol.common import (IGNORED_FIELDS, INT64, UNSUPPORTED_FIELDS,
                                       StructuredOutputsRequest, Unsupported, UsageInfo, created_now)
 from frontend.protocol.completions import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                            CompletionResponseChoice, CompletionStreamResponse)
+from frontend.protocol.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from frontend.protocol.models import ModelCard, ModelList
 from frontend.protocol.status import LoadResponse, VersionResponse
 from frontend.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
@@ -41,4 +42,5 @@ __all__ = [
     "ChatCompletionTopLogprob", "ChatMessage", "DeltaMessage", "DeltaToolCall", "FunctionCall", "ToolCall",
     "DetokenizeRequest", "DetokenizeResponse", "TokenizeRequest", "TokenizeResponse", "TokenizerInfoResponse",
     "ModelCard", "ModelList", "LoadResponse", "VersionResponse",
+    "EmbeddingData", "EmbeddingRequest", "EmbeddingResponse", "EmbeddingUsage",
 ]
