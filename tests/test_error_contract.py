@@ -66,6 +66,7 @@ def assert_serving(stack: Stack) -> None:
 # ---- HTTP: (route, body, status, param) -----------------------------------------------------------
 
 C, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+EMBED = "/v1/embeddings"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -163,6 +164,18 @@ HTTP_CASES = [
     (RESPONSES, {"input": "Hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     (RESPONSES, {"input": "Hi", "model": "no-such-model"}, 404, None),
     (RESPONSES, raw('{"input": "Hi"'), 400, None),
+    # embeddings: inputs bounded and checked as prompts are, named `input`
+    (EMBED, {"input": ""}, 400, "input"),
+    (EMBED, {"input": []}, 400, "input"),
+    (EMBED, {"input": [1] * MAX_MODEL_LEN}, 400, "input"),
+    (EMBED, {"input": [1, VOCAB]}, 400, "input"),
+    (EMBED, {"input": [[1, 2]] * 1025}, 400, "input"),
+    (EMBED, {"input": "Hello " * 20_000}, 400, "input"),
+    (EMBED, raw('{"input": "\\ud800"}'), 400, "input"),
+    (EMBED, {"input": "Hi", "dimensions": 7}, 400, "dimensions"),
+    (EMBED, {"input": "Hi", "encoding_format": "int8"}, 400, "encoding_format"),
+    (EMBED, {"input": "Hi", "model": "no-such-model"}, 404, None),
+    (EMBED, raw('{"input": "Hi"'), 400, None),
     # a request's chat template is refused unless the server trusts them (--trust-request-chat-template)
     (CHAT, {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),
     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),
@@ -283,6 +296,15 @@ GRPC_CASES = [
     ("Abort", b"\x0a\x05ab", grpc.StatusCode.INVALID_ARGUMENT, None),
     ("GetModelInfo", b"\xff", grpc.StatusCode.INVALID_ARGUMENT, None),
     ("GetLoad", b"\x08", grpc.StatusCode.INVALID_ARGUMENT, None),
+    ("Embed", engine_pb2.EmbedRequest(request_id="bad", prompt_token_ids=[]).SerializeToString(),
+     grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("Embed", engine_pb2.EmbedRequest(request_id="bad", prompt_token_ids=[1] * MAX_MODEL_LEN).SerializeToString(),
+     grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("Embed", engine_pb2.EmbedRequest(request_id="", prompt_token_ids=[1]).SerializeToString(),
+     grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    ("Embed", engine_pb2.EmbedRequest(request_id="bad", prompt_token_ids=[1], pooling_type=9).SerializeToString(),
+     grpc.StatusCode.INVALID_ARGUMENT, "pooling_type"),
+    ("Embed", b"\xff\xff\xff\xff garbage", grpc.StatusCode.INVALID_ARGUMENT, None),
 ]
 
 
