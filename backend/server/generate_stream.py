@@ -169,8 +169,9 @@ class GenerateStreamCall:
     async def _write_until_done(self) -> None:
         reader = self._reader
         while True:
-            await self._ready.wait()
-            self._ready.clear()  # every change sets it again: news, a task's end, the reader's end
+            # Clear, then look at everything, then wait: a change after the clear wakes the wait,
+            # one before it is seen by the looks (news, a request's end, the reader's end).
+            self._ready.clear()
             if self._outbox:
                 for message in await self._messages(self._take()):
                     await self.context.write(message)
@@ -180,6 +181,7 @@ class GenerateStreamCall:
                     raise reader.exception()  # an undecodable message: the call ends with its status
                 if not self.tasks:
                     return  # half-closed and every request ended: the call ends OK
+            await self._ready.wait()
 
     async def _messages(self, entries: list[engine_pb2.RequestDeltas]) -> list[engine_pb2.GenerateStreamResponse]:
         """``entries`` in as few messages as fit under the message limit. An entry too big for any
