@@ -1,10 +1,12 @@
-"""Each running sequence's block table, kept between steps as a numpy row and extended by the
-blocks appended since its last step, so a step's padded table costs one row copy per sequence
-instead of Python work over every block of every sequence.
+"""Every running sequence's block table, kept between steps in one persistent 2-D array (a row per
+sequence) and extended by the blocks appended since its last step, so a step's padded table is
+one gather of its sequences' rows instead of Python work over every block of every sequence.
 
 It relies on ``ScheduledRequest.block_ids``'s contract: while a sequence's table is the same list
 object, it only grows by appending; a table rebuilt (a preemption) is a new list. A table that
-breaks it anyway (shorter, or a different last known block) is read again whole.
+breaks it anyway (shorter, or a different last known block) is read again whole. With async
+scheduling the engine's thread may append to a list while the step thread reads it: each list is
+read at one fixed length.
 """
 
 from __future__ import annotations
@@ -15,54 +17,91 @@ import numpy as np
 
 from backend.messages.scheduler_output import ScheduledRequest
 
-
-class _Row:
-    __slots__ = ("source", "blocks", "count")
-
-    def __init__(self, source: list[int]) -> None:
-        self.source = source  # the list it mirrors
-        self.blocks = np.array(source, dtype=np.int64)  # [capacity]; the first count are the table
-        self.count = self.blocks.shape[0]  # not len(source): it may have grown since (see extend)
-
-    def extend(self, source: list[int]) -> None:
-        # With async scheduling the engine's thread may append to ``source`` while this runs:
-        # read a fixed length once (appends only, so everything before it stays as it was).
-        end = len(source)
-        if end > self.blocks.shape[0]:
-            grown = np.empty(max(2 * self.blocks.shape[0], end), dtype=np.int64)
-            grown[:self.count] = self.blocks[:self.count]
-            self.blocks = grown
-        self.blocks[self.count:end] = source[self.count:end]
-        self.count = end
+INITIAL_ROWS = 64
+INITIAL_COLUMNS = 64
 
 
 class BlockTables:
-    """Request ID -> its block table as a numpy row; ``padded`` gives a step's [rows, max_blocks]."""
+    """Request ID -> a row of ``table``; ``padded`` gives a step's [rows, max_blocks]."""
 
     def __init__(self) -> None:
-        self._rows: dict[str, _Row] = {}
+        self.table = np.zeros((INITIAL_ROWS, INITIAL_COLUMNS), dtype=np.int64)  # [rows, columns]
+        self.counts = np.zeros(INITIAL_ROWS, dtype=np.int64)  # [rows]: blocks known per row
+        self._row_of: dict[str, int] = {}
+        self._source_of: dict[str, list[int]] = {}  # the list each row mirrors
+        self._count_of: list[int] = [0] * INITIAL_ROWS  # counts, as Python ints (fast to read)
+        self._last_of: list[int] = [-1] * INITIAL_ROWS  # each row's last known block
+        self._free_rows = list(range(INITIAL_ROWS - 1, -1, -1))
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._row_of)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            self._rows.pop(request_id, None)
+            row = self._row_of.pop(request_id, None)
+            if row is not None:
+                del self._source_of[request_id]
+                self._free_rows.append(row)
 
-    def _row(self, s: ScheduledRequest) -> _Row:
+    def _row(self, s: ScheduledRequest) -> int:
         source = s.block_ids
-        row = self._rows.get(s.request_id)
-        if (row is None or row.source is not source or len(source) < row.count
-                or (row.count and source[row.count - 1] != row.blocks[row.count - 1])):
-            row = self._rows[s.request_id] = _Row(source)
-        elif len(source) > row.count:
-            row.extend(source)
+        row = self._row_of.get(s.request_id)
+        if row is None:
+            row = self._row_of[s.request_id] = self._take_row()
+            self._source_of[s.request_id] = source
+            self._clear(row)
+        elif self._source_of[s.request_id] is not source:  # rebuilt: read it whole
+            self._source_of[s.request_id] = source
+            self._clear(row)
+        count = int(self.counts[row])
+        end = len(source)  # one fixed length (appends may come meanwhile)
+        if end < count or (count and source[count - 1] != self.table[row, count - 1]):
+            self._clear(row)  # changed against the contract: read it whole
+            count = 0
+        if end > count:
+            if end > self.table.shape[1]:
+                self._grow(columns=max(2 * self.table.shape[1], end))
+            self.table[row, count:end] = source[count:end]
+        self.counts[row] = self._count_of[row] = end
+        self._last_of[row] = source[end - 1] if end else -1
         return row
 
     def padded(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
         """[len(scheduled), longest table] int64: each sequence's blocks, zero-padded."""
-        rows = [self._row(s) for s in scheduled]
-        table = np.zeros((len(rows), max(row.count for row in rows)), dtype=np.int64)
-        for i, row in enumerate(rows):
-            table[i, :row.count] = row.blocks[:row.count]
-        return table
+        row_of, source_of, count_of, last_of = self._row_of, self._source_of, self._count_of, self._last_of
+        rows = []
+        for s in scheduled:
+            row = row_of.get(s.request_id)
+            # The common case: the same list, no block appended since the last step (and its last
+            # block where it was: a list changed in place against the contract is read again).
+            blocks = s.block_ids
+            if (row is None or source_of[s.request_id] is not blocks or len(blocks) != count_of[row]
+                    or (blocks and blocks[count_of[row] - 1] != last_of[row])):
+                row = self._row(s)
+            rows.append(row)
+        index = np.array(rows, dtype=np.int64)
+        width = max(int(self.counts[index].max()), 1)
+        return self.table[index, :width]  # [n, width]: a copy (fancy indexing); zero past each count
+
+    def _clear(self, row: int) -> None:
+        """Zero a row (a new owner, or one read again whole): every row is zero past its count."""
+        self.table[row, :int(self.counts[row])] = 0
+        self.counts[row] = self._count_of[row] = 0
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = self.table.shape[0]
+            self._grow(rows=2 * old)
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _grow(self, rows: int = 0, columns: int = 0) -> None:
+        rows, columns = max(rows, self.table.shape[0]), max(columns, self.table.shape[1])
+        grown = np.zeros((rows, columns), dtype=np.int64)
+        grown[:self.table.shape[0], :self.table.shape[1]] = self.table
+        self.table = grown
+        counts = np.zeros(rows, dtype=np.int64)
+        counts[:self.counts.shape[0]] = self.counts
+        self.counts = counts
+        self._count_of.extend([0] * (rows - len(self._count_of)))
+        self._last_of.extend([-1] * (rows - len(self._last_of)))

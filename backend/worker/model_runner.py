@@ -6,6 +6,7 @@ reads ``SchedulerOutput`` and returns ``ModelRunnerOutput``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -203,8 +204,22 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_rows: list[tuple[ScheduledRequest, int, int]] = []
         prompt_rows: list[tuple[ScheduledRequest, int, int, int]] = []
+        last_sampled = self.last_sampled
         for s in scheduled:
             row0 = len(input_ids)
+            if len(s.token_ids) == 1 and s.needs_sample and s.sampling_params.prompt_logprobs is None:
+                # The common case, one decode token (no drafts): its row, position, slot and sample row.
+                pos, token = s.start_pos, s.token_ids[0]
+                if token == PLACEHOLDER_TOKEN_ID:  # sampled by the step before (async scheduling)
+                    token = last_sampled.get(s.request_id, 0)
+                input_ids.append(token)
+                positions.append(pos)
+                slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+                seq_lens.append(pos + 1)
+                query_lens.append(1)
+                sample_rows.append((s, len(logits_rows), 0))
+                logits_rows.append(row0)
+                continue
             start, n = s.start_pos, s.num_tokens
             end = start + n
             input_ids.extend(s.token_ids)
@@ -232,9 +247,7 @@ class ModelRunner:
                     logits_rows.append(first + j)
 
         block_tables = torch.from_numpy(self.block_tables.padded(scheduled))  # [rows, max_blocks]
-        query_start = [0]
-        for n in query_lens:
-            query_start.append(query_start[-1] + n)
+        query_start = [0, *itertools.accumulate(query_lens)]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             block_tables=block_tables.to(self.device),
