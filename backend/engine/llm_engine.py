@@ -21,6 +21,7 @@ from backend.core.scheduler import Scheduler
 from backend.core.spec_decode import NgramProposer
 from backend.core.structured_output.manager import GrammarViolation, StructuredOutputManager
 from backend.engine.inflight import InFlightStep
+from backend.engine.request_checks import eos_token_ids, validate_request
 from backend.messages.late_grammar import LateGrammar
 from backend.executor import create_executor
 from backend.models.resolve import resolve_config
@@ -31,22 +32,6 @@ from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, ModelI
 from backend.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def _eos_token_ids(config: EngineConfig) -> list[int]:
-    """EOS IDs from generation_config.json (which may list several), else config.json."""
-    ids = None
-    try:
-        from transformers import GenerationConfig
-
-        ids = GenerationConfig.from_pretrained(str(config.model_path)).eos_token_id
-    except (OSError, ValueError):
-        pass
-    if ids is None:
-        ids = getattr(config.hf_config, "eos_token_id", None)
-    if ids is None:
-        return []
-    return [ids] if isinstance(ids, int) else list(ids)
 
 
 def _failure_message(error: BaseException) -> str:
@@ -71,7 +56,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill)
         self.vocab_size = config.hf_config.vocab_size
-        self.eos_token_ids = _eos_token_ids(config)
+        self.eos_token_ids = eos_token_ids(config)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         # Client request IDs are labels only: every sequence the engine runs (each of ``n``, each
         # beam-search child) gets an internal ID from this counter, so no client ID can collide with
@@ -110,23 +95,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError, naming the problem, for a request we cannot serve."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise InvalidRequestError(
-                f"The prompt (length {len(prompt_token_ids)}) is too long: this model's maximum "
-                f"context length is {self.config.max_model_len} tokens, and at least one must be "
-                "left for output.", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"Token ID {bad[0]} is out of vocabulary (size {self.vocab_size}).", param="prompt")
-        self.limits.check_sampling_params(params)
-        for name in ("stop_token_ids", "logprob_token_ids", "logit_bias"):
-            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"{name} holds token ID {bad[0]}, outside the vocabulary "
-                                          f"(size {self.vocab_size}).", param=name)
+        validate_request(prompt_token_ids, params, self.vocab_size, self.config.max_model_len, self.limits)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, grammar: object = None, deadline: Optional[float] = None,
