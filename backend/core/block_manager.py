@@ -144,6 +144,10 @@ class BlockManager:
         that start the block table of a request holding no blocks yet.
         """
         held = self.req_blocks.setdefault(request.request_id, [])
+        if not new_computed_blocks:  # the common case (a decode): often no new block at all
+            end = request.num_computed_tokens + request.num_inflight_tokens + num_new_tokens
+            if end <= len(held) * self.block_size:
+                return True
         num_computed = (request.num_computed_tokens + request.num_inflight_tokens
                         + len(new_computed_blocks) * self.block_size)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
