@@ -53,8 +53,9 @@ def attention_config(head_dim: int, group: int, max_query_len: int, element_size
       217 registers on sm_90a and spill on sm_80 (255 registers), 8 warps spill at 80/96 on sm_80.
     - prefill, head dim 256: 32 x 32 tiles; 64 rows spill on sm_90a (255 registers, 164 KB
       shared) and, with 8 warps, still on sm_100a.
-    - fp32: 16-row prefill tiles; 64 x 64 tiles spill 9-10 KB a thread. 32-token KV tiles
-      up to head dim 64, 16 above: with 32 the split-KV decode at 80-128 spills ~300 bytes on
+    - fp32: 16-row prefill tiles; 64 x 64 tiles spill 9-10 KB a thread. 16-token KV tiles
+      in prefill (with the query-tile search, 32 spilled 8 bytes at head dim 64, group 3, on
+      sm_90a); in decode 32 up to head dim 64, 16 above: with 32 the split-KV decode at 80-128 spills ~300 bytes on
       sm_90a and sm_100a (255 registers on 4 warps; on 8, the plain decode spills on sm_100a).
     """
     if group < 1 or head_dim < 1 or max_query_len < 1 or element_size not in (2, 4):
@@ -64,7 +65,7 @@ def attention_config(head_dim: int, group: int, max_query_len: int, element_size
     wide = head_dim_pad >= 256
     decode = max_query_len == 1
     if element_size == 4:
-        rows, tile_n, num_stages = 16, 16 if head_dim_pad >= 128 else 32, 2
+        rows, tile_n, num_stages = 16, 16 if head_dim_pad >= 128 or not decode else 32, 2
         num_warps = 8 if decode and wide else 4
     elif decode:
         rows, tile_n, num_warps, num_stages = 1, 64, 8 if wide else 4, 3
@@ -85,19 +86,50 @@ MAX_SPLITS = 64
 
 def kv_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int,
               num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, partition_size): split only decode batches whose (request, KV head)
-    programs would leave most of the num_sms SMs idle (num_splits, when given, overrides the
-    count). Each split covers partition_size tokens, a multiple of PARTITION_ALIGN."""
-    splits = num_splits
-    if splits is None:
-        splits = 1
-        programs = num_reqs * num_kv_heads
-        if max_query_len == 1 and programs < num_sms:
-            splits = min(cdiv(2 * num_sms, programs), cdiv(max_seq_len, MIN_PARTITION), MAX_SPLITS)
-    if splits <= 1:
-        return 1, cdiv(max_seq_len, PARTITION_ALIGN) * PARTITION_ALIGN
-    partition = cdiv(cdiv(max_seq_len, splits), PARTITION_ALIGN) * PARTITION_ALIGN
-    return cdiv(max_seq_len, partition), partition
+    """(grid_splits, min_partition): the split axis of a decode launch and the fewest KV tokens
+    a split takes. Only decode batches whose (request, KV head) programs would leave most of
+    the num_sms SMs idle split (num_splits, when given, forces the grid's count and lets
+    splits shrink to PARTITION_ALIGN tokens).
+
+    The grid is a cap, not the layout: each request's own split count and partition size are
+    chosen on the device from its real seq_len (``request_partition``, which the kernels
+    mirror), and splits past its context exit at once. max_seq_len only bounds the cap, so a
+    CUDA graph captured at max_model_len runs, at every real context, the same working
+    programs as an eager step at that context."""
+    if num_splits is not None:
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits={num_splits}: must be 1..{MAX_SPLITS}")
+        return num_splits, PARTITION_ALIGN
+    splits = 1
+    programs = num_reqs * num_kv_heads
+    if max_query_len == 1 and 0 < programs < num_sms:
+        splits = max(1, min(cdiv(2 * num_sms, programs), cdiv(max_seq_len, MIN_PARTITION), MAX_SPLITS))
+    return splits, MIN_PARTITION
+
+
+def request_partition(seq_len: int, grid_splits: int, min_partition: int) -> tuple[int, int]:
+    """(working splits, partition_size) of one request's context under a split-KV launch: as
+    many splits as the grid allows with at least min_partition tokens each, partitions rounded
+    up to PARTITION_ALIGN. The attention and merge kernels compute exactly this on the device
+    (``tandem_kernels.attention._request_partition``); splits >= the first value do no work."""
+    splits = max(1, min(grid_splits, cdiv(seq_len, min_partition)))
+    partition = cdiv(cdiv(max(seq_len, 1), splits), PARTITION_ALIGN) * PARTITION_ALIGN
+    return cdiv(seq_len, partition), partition
+
+
+def query_tile_grid(num_tokens: int, num_reqs: int, max_query_len: int, block_q: int) -> tuple[int, int]:
+    """(programs, search_steps) on the query-tile axis of an attention launch.
+
+    Decodes (max_query_len 1): one program per request, search_steps 0. Otherwise programs
+    cover the real query tiles, not requests x the longest query's tiles: request r's tiles
+    start at tile (query_start_loc[r] + r * (block_q - 1)) // block_q, a non-decreasing
+    function of r whose steps are at least the request's cdiv(q_len, block_q) tiles, so
+    floor((num_tokens + num_reqs * (block_q - 1)) / block_q) programs cover every tile with at
+    most one idle program per request; each program finds its request by a binary search of
+    search_steps probes over query_start_loc (no per-step map to build or capture)."""
+    if max_query_len <= 1:
+        return num_reqs, 0
+    return (num_tokens + num_reqs * (block_q - 1)) // block_q, num_reqs.bit_length()
 
 
 @dataclass(frozen=True)
