@@ -2,7 +2,8 @@
 
 It speaks ``protos/tandem/engine/v1/engine.proto``: SamplingParams go out as
 the proto's message, GenerateResponses come back as ``EngineOutput`` deltas,
-and status codes become typed errors (``error_from_status``, the one place):
+and status codes become typed errors (``error_from_status``, the one place; the message
+conversions live in ``frontend.proto_convert``):
 
     INVALID_ARGUMENT    -> InvalidRequestError (param from ``tandem-error-param``)
     RESOURCE_EXHAUSTED  -> BackendOverloadedError
@@ -41,12 +42,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from backend.types.errors import (EngineDeadError, InvalidRequestError, OverloadedError, RequestFailedError,
                                   RequestTimeoutError, TandemError)
 from backend.types.limits import Limits
-from backend.types.outputs import EngineLoad, EngineOutput, FinishReason, Logprob, ModelInfo, PositionLogprobs
+from backend.types.outputs import EngineLoad, EngineOutput, ModelInfo
 from backend.types.pooling import PoolingParams
 from backend.types.sampling_params import SamplingParams
 from backend.types.wire import ERROR_PARAM_METADATA_KEY, TOKEN_ENV
 from frontend.channel_security import ChannelSecurity  # noqa: F401 -- part of this module's API
 from frontend.multiplexed_stream import MultiplexedStream, StreamBroken, StreamUnsupported
+from frontend.proto_convert import output_from_response, sampling_params_to_proto
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -59,12 +61,6 @@ RECONNECT_BACKOFF_MS = (100, 1000)  # initial, maximum
 CLOSED_AT_ONCE_LOG_INTERVAL_S = 10.0  # how often a backend that drops every connection is reported
 STREAM_MAX_AGE_S = 60.0  # a GenerateStream call takes new requests this long, then ends once they have
 
-_FINISH_REASON_FROM_PROTO = {
-    engine_pb2.FINISH_REASON_UNSPECIFIED: None,
-    engine_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    engine_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    engine_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
 
 
 class BackendError(TandemError, RuntimeError):
@@ -123,62 +119,6 @@ def error_from_code(code: grpc.StatusCode, message: Optional[str], param: Option
     if code == grpc.StatusCode.INTERNAL:  # this request failed inside the backend; the backend goes on
         return RequestFailedError(message)
     return BackendError(f"Backend call failed ({code.name}): {message}", code)
-
-
-# ---- engine types <-> proto ----------------------------------------------------------------
-
-
-def sampling_params_to_proto(params: SamplingParams) -> engine_pb2.SamplingParams:
-    """Every wire field set explicitly (stop strings stay here: the frontend matches them)."""
-    message = engine_pb2.SamplingParams(
-        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        min_p=params.min_p, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        logprob_token_ids=params.logprob_token_ids or (), use_beam_search=params.use_beam_search,
-        length_penalty=params.length_penalty, logit_bias=params.logit_bias or {})
-    # None means "unset" on the wire, which is these fields' None on the backend.
-    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None:
-            setattr(message, name, value)
-    constraint = params.structured_outputs
-    if constraint is not None:
-        wire = message.structured_outputs
-        wire.disable_any_whitespace = constraint.disable_any_whitespace
-        if constraint.json is not None:
-            wire.json_schema = constraint.json
-        elif constraint.json_object:
-            wire.json_object.SetInParent()
-        elif constraint.regex is not None:
-            wire.regex = constraint.regex
-        elif constraint.choice is not None:
-            wire.choice.choices.extend(constraint.choice)
-        else:
-            wire.grammar = constraint.grammar
-    return message
-
-
-def position_logprobs_from_proto(position: engine_pb2.PositionLogprobs) -> PositionLogprobs:
-    """``token`` first, then ``top_logprobs`` in order: the engine's dict layout."""
-    return {entry.token_id: Logprob(entry.logprob, rank=entry.rank or None)
-            for entry in (position.token, *position.top_logprobs)}
-
-
-def output_from_response(request_id: str, response: engine_pb2.GenerateResponse) -> EngineOutput:
-    """One response as an ``EngineOutput``. Runs once per token of every stream: the optional
-    parts (logprobs, a stop token, prompt logprobs) are converted only when present."""
-    new_logprobs = response.new_logprobs
-    prompt_logprobs = None
-    if response.HasField("prompt_logprobs"):
-        prompt_logprobs = [None] + [position_logprobs_from_proto(p) for p in response.prompt_logprobs.positions]
-    finish_reason = _FINISH_REASON_FROM_PROTO[response.finish_reason] if response.finish_reason else None
-    return EngineOutput(
-        request_id, response.index, list(response.new_token_ids),
-        [position_logprobs_from_proto(p) for p in new_logprobs] if new_logprobs else None,
-        finish_reason,
-        response.stop_token_id if response.HasField("stop_token_id") else None,
-        response.num_prompt_tokens, response.num_cached_tokens, prompt_logprobs)
 
 
 # ---- the client ----------------------------------------------------------------------------
