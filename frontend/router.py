@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 from backend.types.errors import InvalidRequestError, TandemError
 from backend.types.outputs import EngineLoad, EngineOutput, ModelInfo
 from backend.types.sampling_params import SamplingParams
+from frontend.backend_targets import Target, address_of, parse_targets  # noqa: F401 -- parse_targets: API
 from frontend.grpc_client import (BackendCredentialsError, BackendOverloadedError, BackendUnavailableError,
                                   GrpcEngineClient)
 from frontend.router_metrics import RouterCollector, merged_engine_metrics
@@ -53,7 +54,6 @@ from frontend.router_metrics import RouterCollector, merged_engine_metrics
 logger = logging.getLogger(__name__)
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
-DNS_SCHEME = "dns:///"
 DEFAULT_PREFIX_TOKENS = 64  # four 16-token KV blocks
 DEFAULT_BALANCE_ABS = 8  # sequences
 DEFAULT_BALANCE_REL = 1.5
@@ -64,38 +64,6 @@ LOAD_TIMEOUT_S = 2.0
 METRICS_TIMEOUT_S = 5.0  # a backend's GetMetrics; one that is late is left out of that scrape
 RESOLVE_INTERVAL_S = 5.0
 CREDENTIALS_LOG_INTERVAL_S = 30.0  # a backend refusing our credentials is reported again this often
-
-
-@dataclass(frozen=True)
-class Target:
-    """One ``--backend`` entry: ``host:port`` (one backend) or ``dns:///host:port`` (each address)."""
-
-    host: str
-    port: int
-    resolve: bool
-
-    @property
-    def address(self) -> str:
-        return _address(self.host, self.port)
-
-
-def parse_targets(spec: str) -> list[Target]:
-    """``a:50051,dns:///b:50051`` -> targets; raises ``InvalidRequestError`` naming ``--backend``."""
-    targets = []
-    for entry in (part.strip() for part in spec.split(",")):
-        resolve = entry.startswith(DNS_SCHEME)
-        host, _, port = entry[len(DNS_SCHEME) if resolve else 0:].rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidRequestError(
-                f"--backend entry {entry!r} is not HOST:PORT or dns:///NAME:PORT.", param="backend")
-        targets.append(Target(host.strip("[]"), int(port), resolve))
-    if len(set(targets)) != len(targets):
-        raise InvalidRequestError(f"--backend {spec!r} names a backend twice.", param="backend")
-    return targets
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def prefix_key(prompt_token_ids: list[int], prefix_tokens: int, salt: Optional[str] = None) -> bytes:
@@ -354,7 +322,7 @@ class Router:
             except OSError as error:  # keep what it had: a DNS hiccup must not drop every backend
                 logger.warning("Could not resolve %s: %s", target.host, error)
                 continue
-            self._resolved[target] = {_address(info[4][0], info[4][1]) for info in infos}
+            self._resolved[target] = {address_of(info[4][0], info[4][1]) for info in infos}
         addresses = set().union(*self._resolved.values())
         for address in sorted(addresses):
             backend = self.backends.get(address)
