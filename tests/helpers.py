@@ -127,3 +127,29 @@ async def raw_post(host: str, port: int, path: str, body: bytes, timeout: float 
         writer.close()
     head, _, payload = response.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), payload
+
+
+@contextmanager
+def tiny_llama_stack(checkpoint, model_dir) -> Iterator[str]:
+    """The tiny random Llama at ``checkpoint``, copied to ``model_dir`` with 1,024 positions (room for
+    the tools' system prompt, long in the tiny vocabulary), served behind a gRPC backend and a
+    frontend; yields the frontend's base URL."""
+    import json
+    import shutil
+
+    from backend.engine.async_llm_engine import AsyncLLMEngine
+    from backend.types.config import EngineConfig
+
+    shutil.copytree(checkpoint, model_dir, dirs_exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 1024
+    (model_dir / "config.json").write_text(json.dumps(config))
+    loop = LoopThread()
+    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=1024, block_size=4,
+                                         max_model_len=1024, max_num_seqs=4))
+    try:
+        with backend_and_frontend(loop, engine) as (_, _, base_url):
+            yield base_url
+    finally:
+        engine.shutdown()
+        loop.close()

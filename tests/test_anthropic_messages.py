@@ -11,14 +11,13 @@ round trip, created and streamed, whose call the constraint makes valid.
 from __future__ import annotations
 
 import json
-import shutil
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
 from conftest import TINY_VOCAB
-from helpers import LoopThread, backend_and_frontend, uvicorn_on, wait_for
+from helpers import LoopThread, tiny_llama_stack, uvicorn_on, wait_for
 from fastapi.testclient import TestClient
 from test_invalid_unicode import _can_hold_text
 from test_api_server import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
@@ -523,24 +522,9 @@ def test_a_client_leaving_mid_stream_aborts_the_engine_request(tokenizer):
 
 @pytest.fixture(scope="module")
 def real_stack(tiny_checkpoint, tmp_path_factory):
-    from backend.engine.async_llm_engine import AsyncLLMEngine
-    from backend.types.config import EngineConfig
-
-    # Room for the tools' system prompt (long in the tiny vocabulary): rotary positions learn nothing per position.
     model_dir = tmp_path_factory.mktemp("tiny-llama-1k")
-    shutil.copytree(tiny_checkpoint("llama"), model_dir, dirs_exist_ok=True)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["max_position_embeddings"] = 1024
-    (model_dir / "config.json").write_text(json.dumps(config))
-    loop = LoopThread()
-    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=1024, block_size=4,
-                                         max_model_len=1024, max_num_seqs=4))
-    try:
-        with backend_and_frontend(loop, engine) as (_, _, base_url):
-            yield base_url, str(model_dir)
-    finally:
-        engine.shutdown()
-        loop.close()
+    with tiny_llama_stack(tiny_checkpoint("llama"), model_dir) as base_url:
+        yield base_url, str(model_dir)
 
 
 @pytest.mark.timeout(300)

@@ -11,13 +11,12 @@ function-tool round trip, a continuation).
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
 from conftest import TINY_VOCAB
 from fastapi.testclient import TestClient
-from helpers import LoopThread, uvicorn_on
+from helpers import LoopThread, tiny_llama_stack, uvicorn_on
 from test_api_server import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
 from test_invalid_unicode import _can_hold_text
 
@@ -482,25 +481,9 @@ CITY_TOOL = {"type": "function", "name": "get_weather", "strict": True, "paramet
 
 @pytest.fixture(scope="module")
 def real_stack(tiny_checkpoint, tmp_path_factory):
-    from backend.engine.async_llm_engine import AsyncLLMEngine
-    from backend.types.config import EngineConfig
-    from helpers import backend_and_frontend
-
-    # Room for the tools' system prompt (long in the tiny vocabulary): rotary positions learn nothing per position.
     model_dir = tmp_path_factory.mktemp("tiny-llama-1k")
-    shutil.copytree(tiny_checkpoint("llama"), model_dir, dirs_exist_ok=True)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["max_position_embeddings"] = 1024
-    (model_dir / "config.json").write_text(json.dumps(config))
-    loop = LoopThread()
-    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=1024, block_size=4,
-                                         max_model_len=1024, max_num_seqs=4))
-    try:
-        with backend_and_frontend(loop, engine) as (_, _, base_url):
-            yield openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=240), str(model_dir)
-    finally:
-        engine.shutdown()
-        loop.close()
+    with tiny_llama_stack(tiny_checkpoint("llama"), model_dir) as base_url:
+        yield openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=240), str(model_dir)
 
 
 @pytest.mark.timeout(300)
