@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from helpers import LoopThread
+from test_grpc_server import slow_steps  # noqa: F401 -- the fixture (each step 10 ms longer), on this file's backend
 from stand_in_backend import StandInServicer, start_server
 
 from backend.engine.async_llm_engine import AsyncLLMEngine
@@ -67,18 +68,6 @@ def backend(tiny_checkpoint):
     loop.run(server.stop(0))
     engine.shutdown()
     loop.close()
-
-
-@pytest.fixture
-def slow_steps(backend, monkeypatch):
-    """Each engine step takes 10 ms more, so requests are surely still running when a test cuts them."""
-    step = backend.engine.engine.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(backend.engine.engine, "step", slow_step)
 
 
 def streamed(request_id: str, prompt: list[int], timeout_ms=None, **params) -> engine_pb2.StreamedGenerateRequest:
