@@ -69,32 +69,14 @@ class OpenAIServingEmbedding(OpenAIServing):
                                       f"got {dimensions}.", param="dimensions")
 
     async def _prompts(self, value, add_special_tokens: bool) -> list[Prompt]:
-        """The inputs as prompts: their count and text lengths checked before any is tokenized."""
-        if isinstance(value, str):
-            items: list = [value]
-        elif not value:
-            raise InvalidRequestError("input must not be empty.", param="input")
-        elif isinstance(value[0], int):
-            items = [value]  # one input of token IDs
-        else:
-            items = value
+        """The inputs as prompts (the completions ``prompt`` field's shapes and checks, named
+        ``input``); their count is checked here first, to name ``input`` in the error."""
+        count = len(value) if isinstance(value, list) and value and not isinstance(value[0], int) else 1
         limit = self.limits.max_prompts_per_request
-        if len(items) > limit:
-            raise InvalidRequestError(f"input holds {len(items)} inputs; at most {limit} (--max-prompts-per-request) "
+        if count > limit:
+            raise InvalidRequestError(f"input holds {count} inputs; at most {limit} (--max-prompts-per-request) "
                                       "are allowed in one request.", param="input")
-        for item in items:
-            if isinstance(item, str):
-                self.renderer.check_prompt_chars(len(item), param="input")
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                prompts.append(Prompt(item, await self.renderer.encode(item, add_special_tokens, param="input")))
-            else:
-                self.renderer.check_token_ids(item, param="input")
-                prompts.append(Prompt(None, list(item)))
-            if not prompts[-1].token_ids:
-                raise InvalidRequestError("An input is empty (no tokens).", param="input")
-        return prompts
+        return await self.renderer.completion_prompts(value, 1, add_special_tokens, param="input")
 
 
 async def _gather(calls) -> list[list[float]]:

@@ -121,14 +121,15 @@ class PromptRenderer:
                                        None, continue_final_message, **template_kwargs)
         return text, await self.encode(text, add_special_tokens=add_special_tokens, param="messages")
 
-    async def completion_prompts(self, prompt: Union[str, list], n: int,
-                                 add_special_tokens: bool = True) -> list[Prompt]:
-        """The prompts of a completions ``prompt`` field: a text, token IDs, or a list of either.
-        Their count (times ``n``) and every text's length are checked before any is tokenized."""
+    async def completion_prompts(self, prompt: Union[str, list], n: int, add_special_tokens: bool = True,
+                                 param: str = "prompt") -> list[Prompt]:
+        """The prompts of a completions ``prompt`` field (or another field of that shape, named by
+        ``param``): a text, token IDs, or a list of either. Their count (times ``n``) and every
+        text's length are checked before any is tokenized."""
         if isinstance(prompt, str):
             items: list = [prompt]
         elif not prompt:
-            raise InvalidRequestError("prompt must not be empty.", param="prompt")
+            raise InvalidRequestError(f"{param} must not be empty.", param=param)
         elif isinstance(prompt[0], int):
             items = [prompt]  # one prompt of token IDs
         else:
@@ -136,16 +137,17 @@ class PromptRenderer:
         self.limits.check_prompt_count(len(items), n)
         for item in items:  # every prompt's length before any is tokenized
             if isinstance(item, str):
-                self.check_prompt_chars(len(item), param="prompt")
+                self.check_prompt_chars(len(item), param=param)
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(Prompt(item, await self.encode(item, add_special_tokens)))
+                prompts.append(Prompt(item, await self.encode(item, add_special_tokens, param=param)))
             else:
-                self.check_token_ids(item, param="prompt")
+                self.check_token_ids(item, param=param)
                 prompts.append(Prompt(None, list(item)))
             if not prompts[-1].token_ids:
-                raise InvalidRequestError("The prompt is empty.", param="prompt")
+                raise InvalidRequestError(f"The {param} is empty." if param == "prompt"
+                                          else f"An {param} is empty (no tokens).", param=param)
         return prompts
 
     def truncate(self, prompt: Prompt, keep: Optional[int]) -> Prompt:
