@@ -21,7 +21,9 @@ When you add a request feature, add it to ``request_specs`` (and a check to ``_c
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from hypothesis import strategies as st
 from backend.engine.llm_engine import LLMEngine
 from backend.types.errors import InvalidRequestError, RequestFailedError
 from backend.types.outputs import FinishReason
+from backend.types.pooling import PoolingParams
 from backend.types.sampling_params import SamplingParams
 from frontend.tool_calls import constrained_tool_schema
 
@@ -91,13 +94,20 @@ class Outcome:
     logprobs: dict[int, list] = field(default_factory=dict)
     finish: dict[int, FinishReason] = field(default_factory=dict)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    pooled: dict[int, list[float]] = field(default_factory=dict)  # embeddings (SamplingParams.pooling)
     error: Optional[str] = None  # a RequestFailedError or InvalidRequestError, at add or later
     aborted: bool = False  # by the client (the fuzzer)
+
+
+_EMBED_SALTS = itertools.count()  # across batches too: the engine (and its prefix cache) outlives a batch
 
 
 @st.composite
 def sampling_params(draw, vocab_size: int, max_model_len: int) -> tuple[SamplingParams, Optional[str]]:
     """Sampling parameters mixing every feature, and the constraint kind (or None)."""
+    if draw(st.integers(0, 11)) == 0:  # an embedding (AsyncLLMEngine.embed's request): prompt, one token, end
+        return SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(
+            draw(st.sampled_from(["last", "mean"])), draw(st.booleans()))), None
     if draw(st.integers(0, 9)) == 0:  # beam search takes only a few parameters
         return SamplingParams(use_beam_search=True, n=draw(st.integers(1, 3)),
                               max_tokens=draw(st.integers(1, 5)),
@@ -148,9 +158,11 @@ def request_specs(draw, vocab_size: int, max_model_len: int, max_requests: int =
         request_id = draw(st.one_of(st.just(f"r{i}"), st.just(f"r{i}"), st.sampled_from(HOSTILE_IDS)))
         arrival = draw(st.integers(0, 6))
         abort = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(arrival, arrival + 12)))
+        salt = draw(st.sampled_from([None, None, None, "tenant-a"]))
+        if params.pooling is not None and params.pooling.type == "mean":
+            salt = f"embed-{next(_EMBED_SALTS)}"  # unique, as embed()'s: every position computed, no cache hit
         specs.append(RequestSpec(request_id, prompt, params, constraint, arrival, abort,
-                                 expired=draw(st.integers(0, 19)) == 0,
-                                 cache_salt=draw(st.sampled_from([None, None, None, "tenant-a"]))))
+                                 expired=draw(st.integers(0, 19)) == 0, cache_salt=salt))
     return specs
 
 
@@ -188,6 +200,8 @@ def run_batch(engine: LLMEngine, specs: list[RequestSpec], max_steps: int = 3000
                 outcome.logprobs.setdefault(out.index, []).extend(out.new_logprobs)
             if out.prompt_logprobs is not None:
                 outcome.prompt_logprobs[out.index] = out.prompt_logprobs
+            if out.pooled is not None:
+                outcome.pooled[out.index] = out.pooled
             if out.error is not None:
                 outcome.error = out.error
             if out.finish_reason is not None:
@@ -244,6 +258,11 @@ def _check_request(engine: LLMEngine, outcome: Outcome) -> None:
             assert len(outcome.prompt_logprobs[index]) == len(spec.prompt)
         if params.logit_bias and spec.constraint is None:
             _check_logit_bias(engine, params, tokens)
+        if params.pooling is not None:  # one vector of the hidden size, finite, unit length if normalized
+            vector = outcome.pooled[index]
+            assert len(vector) == engine.config.hf_config.hidden_size and all(math.isfinite(x) for x in vector)
+            if params.pooling.normalize:
+                assert abs(math.fsum(x * x for x in vector) - 1.0) < 1e-3
 
 
 def _check_logit_bias(engine: LLMEngine, params: SamplingParams, tokens: list[int]) -> None:
@@ -276,9 +295,14 @@ def assert_same_as_alone(engine: LLMEngine, outcomes: list[Outcome]) -> int:
         spec = outcome.spec
         if not spec.deterministic or outcome.aborted or outcome.error or spec.expired:
             continue
-        alone_spec = RequestSpec("alone", spec.prompt, spec.params, spec.constraint, cache_salt=spec.cache_salt)
+        salt = spec.cache_salt
+        if spec.params.pooling is not None and spec.params.pooling.type == "mean":
+            salt = f"embed-{next(_EMBED_SALTS)}"  # the batched run's blocks would be a prefix hit
+        alone_spec = RequestSpec("alone", spec.prompt, spec.params, spec.constraint, cache_salt=salt)
         [alone] = run_batch(engine, [alone_spec])
         assert alone.tokens == outcome.tokens, (spec, outcome.tokens, alone.tokens)
         assert alone.finish == outcome.finish
+        for index, vector in outcome.pooled.items():  # an embedding: the same vector, batched or alone
+            assert max(abs(a - b) for a, b in zip(vector, alone.pooled[index])) < 1e-3, spec
         compared += 1
     return compared
