@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import free_port, http_status, raw_post, stop_process, wait_for
 
-pytestmark = pytest.mark.soak
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(900)]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SOAK_SECONDS = float(os.environ.get("TANDEM_SOAK_SECONDS", "300"))
