@@ -135,8 +135,8 @@ def _header(scope: Scope, name: bytes) -> Optional[bytes]:
 class AuthenticationMiddleware:
     """The API key, checked from the headers before any body is read; a bound on the rest.
 
-    A request to a path outside ``open_paths`` needs ``Authorization: Bearer <api_key>`` when a
-    key is set: without it, a 401 at once (its body never read, the connection closed after it).
+    A request to a path outside ``open_paths`` needs ``Authorization: Bearer <api_key>`` (OpenAI's
+    clients) or ``x-api-key: <api_key>`` (Anthropic's) when a key is set: without it, a 401 at once (its body never read, the connection closed after it).
     Requests that go on without a verified key (``open_paths``: health, metrics, ...; and the
     401s themselves) take one of ``max_unauthenticated`` slots of their own, never one an
     authenticated request needs; beyond, a 429 at once.
@@ -154,7 +154,10 @@ class AuthenticationMiddleware:
             return True
         scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
         # compare_digest: the time taken must not tell how much of the key matched.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            return True
+        x_api_key = _header(scope, b"x-api-key")
+        return x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -176,7 +179,8 @@ class AuthenticationMiddleware:
                 await self.app(scope, receive, send)
             else:
                 await send_error(scope, receive, send, AuthenticationError(
-                    "Missing or invalid API key: send 'Authorization: Bearer <key>'."), close=True)
+                    "Missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."),
+                    close=True)
         finally:
             self.unauthenticated -= 1
 

@@ -170,7 +170,7 @@ def build_parser(prog: str = "python -m frontend.server") -> argparse.ArgumentPa
     parser.add_argument("--tokenizer", default=None,
                         help="local tokenizer directory (default: fetch the backend's and cache it)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
+                        help=f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1, /tokenize, /detokenize "
                              f"(default: ${API_KEY_ENV})")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the backend's)")

@@ -419,6 +419,12 @@ def test_the_api_key_guards_the_routes(engine, tokenizer):
         assert engine.requests == []
         response = client.post("/v1/messages", json=body(), headers={"Authorization": "Bearer s3cret"})
         assert response.status_code == 200, response.text
+        # Anthropic's clients send the key as x-api-key; a wrong one is refused like a missing one.
+        assert_anthropic_error(client.post("/v1/messages", json=body(), headers={"x-api-key": "s3cret!"}),
+                               401, "authentication_error")
+        assert len(engine.requests) == 1
+        response = client.post("/v1/messages", json=body(), headers={"x-api-key": "s3cret"})
+        assert response.status_code == 200, response.text
 
 
 def test_the_edge_refuses_a_body_too_large_in_anthropics_shape(engine, tokenizer):
