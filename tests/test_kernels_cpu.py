@@ -294,3 +294,28 @@ def test_argmax_rows_matches_reference(dtype):
     x[5, 17] = float("inf")
     assert torch.equal(cpu.argmax_rows(x), reference.argmax_rows(x))
     assert cpu.argmax_rows(x).tolist() == [int(x[0].float().argmax()), 3, 1004, 0, 9, 17]
+
+
+def test_apply_penalties_matches_reference_bit_for_bit():
+    gen = torch.Generator().manual_seed(11)
+    vocab, slots = 1000 + 3, 7
+    prompt_seen = torch.rand(slots, vocab, generator=gen) < 0.1
+    output_counts = torch.randint(0, 4, (slots, vocab), generator=gen, dtype=torch.int32)
+    output_counts[output_counts < 3] = 0  # mostly unseen
+    logits = torch.randn(9, vocab, generator=gen) * 5
+    logits[0, :4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+    rows = torch.tensor([8, 0, 3, 5, 1])  # some rows untouched, in any order
+    table = torch.tensor([2, 6, 0, 2, 4])  # a slot may serve two rows
+    repetition = torch.tensor([1.3, 1.0, 0.8, 2.0, 1.0])
+    frequency = torch.tensor([0.0, 0.5, -1.0, 0.25, 0.0])
+    presence = torch.tensor([0.0, -0.4, 1.5, 0.0, 2.0])
+    expected, actual = logits.clone(), logits.clone()
+    args = (rows, prompt_seen, output_counts, table, repetition, frequency, presence)
+    reference.apply_penalties(expected, *args)
+    cpu.apply_penalties(actual, *args)
+    assert torch.equal(actual, expected)
+    assert torch.equal(actual[[2, 4, 6, 7]], logits[[2, 4, 6, 7]])
+    assert not torch.equal(actual[8], logits[8])
+    with pytest.raises(RuntimeError, match="slot is out of range"):
+        cpu.apply_penalties(actual, rows, prompt_seen, output_counts, torch.tensor([0, 0, 0, 0, slots]),
+                            repetition, frequency, presence)

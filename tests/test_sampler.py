@@ -245,10 +245,11 @@ def test_penalties_match_the_reference_formula():
     assert torch.equal(actual[3], logits[3])
 
 
-def test_penalty_history_gives_exactly_the_token_list_penalties_as_outputs_grow():
+@pytest.mark.parametrize("with_drafts", [True, False])
+def test_penalty_history_gives_exactly_the_token_list_penalties_as_outputs_grow(with_drafts):
     """The incremental counts (PenaltyHistory: a list read at first sight, then the sampled tokens
     recorded each step; slots freed and reused, tables grown) give bit for bit what the token lists
-    give, drafts before a row included."""
+    give, drafts before a row included; without drafts through the one-pass kernel."""
     import dataclasses
     import random
 
@@ -272,8 +273,8 @@ def test_penalty_history_gives_exactly_the_token_list_penalties_as_outputs_grow(
                 del sequences[rid]
             sequences.update({f"n{i}": ([rng.randrange(vocab)], [rng.randrange(vocab)], kinds[i % 4]) for i in range(4)})
         ids = list(sequences)
-        slots = history.update([(rid, sequences[rid][0], sequences[rid][1]) for rid in ids])
-        drafts = [[rng.randrange(vocab) for _ in range(rng.randint(0, 2))] for _ in ids]
+        slots = history.update([(rid, sequences[rid][0], sequences[rid][1], len(sequences[rid][1])) for rid in ids])
+        drafts = [[rng.randrange(vocab) for _ in range(rng.randint(0, 2) if with_drafts else 0)] for _ in ids]
         rows = [make_row(prompt=sequences[rid][0], output=sequences[rid][1] + extra, **sequences[rid][2])
                 for rid, extra in zip(ids, drafts)]
         logits = random_logits(len(rows), vocab=vocab, seed=step)

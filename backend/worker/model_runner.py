@@ -396,8 +396,8 @@ class ModelRunner:
             return {}
         if self.penalty_history is None:
             self.penalty_history = PenaltyHistory(vocab_size, self.device)
-        slots = self.penalty_history.update([(s.request_id, s.prompt_token_ids,
-                                              s.output_token_ids[:s.num_prior_outputs]) for s in penalized])
+        slots = self.penalty_history.update([(s.request_id, s.prompt_token_ids, s.output_token_ids,
+                                              s.num_prior_outputs) for s in penalized])
         return {s.request_id: slot for s, slot in zip(penalized, slots)}
 
     def _sampling_row(self, s: ScheduledRequest, draft_offset: int, penalty_slots: dict[str, int]) -> SamplingRow:

@@ -38,13 +38,14 @@ class PenaltyHistory:
         self._pending_tokens: list[int] = []  # and the tokens
         self.free_slots = list(range(INITIAL_SLOTS - 1, -1, -1))
 
-    def update(self, sequences: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[int]:
-        """(request ID, prompt token IDs, output token IDs before this step) of each penalized
-        sequence this step -> their slots, with every output token counted (the lists are read
-        only for a sequence seen for the first time). Tokens outside the vocabulary (an EOS or
-        stop ID the logits do not cover cannot be sampled, so they never appear) are not expected."""
+    def update(self, sequences: Sequence[tuple[str, Sequence[int], Sequence[int], int]]) -> list[int]:
+        """(request ID, prompt token IDs, output token IDs, how many of them came before this
+        step) of each penalized sequence this step -> their slots, with every output token
+        counted. The lists are read only for a sequence seen for the first time (a sequence
+        known here costs O(1), however long). Tokens outside the vocabulary (an EOS or stop ID
+        the logits do not cover cannot be sampled, so they never appear) are not expected."""
         slots: list[int] = []
-        for request_id, prompt, output in sequences:
+        for request_id, prompt, output, num_outputs in sequences:
             slot = self.slot_of.get(request_id)
             if slot is None:
                 slot = self._take_slot()
@@ -53,8 +54,8 @@ class PenaltyHistory:
                 self.output_counts[slot].zero_()
                 if prompt:
                     self.prompt_seen[slot, torch.tensor(list(prompt), device=self.device)] = True
-                self._pending_slots.extend([slot] * len(output))
-                self._pending_tokens.extend(output)
+                self._pending_slots.extend([slot] * num_outputs)
+                self._pending_tokens.extend(output[:num_outputs])
             slots.append(slot)
         self._flush()
         return slots

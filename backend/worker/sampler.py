@@ -188,16 +188,27 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices:
     """Repetition (prompt + output), frequency and presence (output) penalties, in place.
 
     With ``history`` (and every row's ``penalty_slot``) the counts come from it: O(rows x vocab)
-    tensor work; otherwise from the token lists, O(tokens) Python work (the reference)."""
+    tensor work, one fused pass per row (``kernels.apply_penalties``) unless a row counts drafts;
+    otherwise from the token lists, O(tokens) Python work (the reference)."""
     device = logits.device
     index = torch.tensor(row_indices, device=device)
-    sub = logits[index]  # [num_penalty_rows, vocab]
     if history is not None and all(rows[i].penalty_slot is not None for i in row_indices):
+        penalized = [rows[i] for i in row_indices]
+        if not any(row.extra_history for row in penalized):  # no draft rows: one pass per row
+            kernels.apply_penalties(
+                logits, index, history.prompt_seen, history.output_counts,
+                torch.tensor([row.penalty_slot for row in penalized], dtype=torch.int64, device=device),
+                *(torch.tensor(values, dtype=torch.float32, device=device) for values in zip(*(
+                    (row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty)
+                    for row in penalized))))
+            return
+        sub = logits[index]  # [num_penalty_rows, vocab]
         need_seen = any(rows[i].params.repetition_penalty != 1.0 for i in row_indices)
         seen, counts = history.gather([rows[i].penalty_slot for i in row_indices],
                                       [rows[i].extra_history for i in row_indices], need_seen)
         logits[index] = _penalized(sub, rows, row_indices, seen, counts)
         return
+    sub = logits[index]  # [num_penalty_rows, vocab]
     num_rows, vocab_size = len(row_indices), logits.shape[1]
 
     seen_rows: list[int] = []

@@ -203,6 +203,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.tandem_cpu.argmax_rows(x)
 
 
+def apply_penalties(logits, rows, prompt_seen, output_counts, slots, repetition, frequency, presence) -> None:
+    """kernels.reference.apply_penalties in one pass per row (bit-equal)."""
+    torch.ops.tandem_cpu.apply_penalties(logits, rows, prompt_seen, output_counts, slots, repetition,
+                                         frequency, presence)
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] float32 @ (weight [N, K] int8 * scale [N])^T + bias -> [M, N] float32."""

@@ -90,6 +90,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return reference.argmax_rows(x)
 
 
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch.Tensor,
+                    output_counts: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor,
+                    frequency: torch.Tensor, presence: torch.Tensor) -> None:
+    """Repetition / frequency / presence penalties in place on logits [R, V] float32, from
+    per-sequence token tables (reference.apply_penalties has the contract). On CUDA the
+    reference's tensor ops."""
+    if _cpu_fast(logits):
+        return cpu.apply_penalties(logits, rows, prompt_seen, output_counts, slots, repetition, frequency, presence)
+    return reference.apply_penalties(logits, rows, prompt_seen, output_counts, slots, repetition, frequency, presence)
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if key.is_cuda:

@@ -112,6 +112,27 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+# ---- sampling penalties --------------------------------------------------------------
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch.Tensor,
+                    output_counts: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor,
+                    frequency: torch.Tensor, presence: torch.Tensor) -> None:
+    """In place on logits [R, V] float32: row ``rows[j]`` penalized from table slot ``slots[j]``
+    (prompt_seen [S, V] bool, output_counts [S, V] int32) with ``repetition[j]``, ``frequency[j]``
+    and ``presence[j]`` (float32 [n]). A token seen in the prompt or the outputs has its logit
+    shrunk towards zero by the repetition penalty (divided if positive, else multiplied), as HF
+    and vLLM do; then ``frequency * count`` and ``presence * (count > 0)`` are subtracted."""
+    sub = logits.index_select(0, rows)  # [n, V]
+    counts = output_counts.index_select(0, slots).float()  # [n, V]
+    # A repetition penalty of 1 changes nothing (x / 1 and x * 1 are x): no test on the values,
+    # which on a GPU would wait for the device.
+    seen = prompt_seen.index_select(0, slots) | (counts > 0)  # [n, V]
+    penalty = repetition.unsqueeze(1)  # [n, 1]
+    sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    sub = sub - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).float()
+    logits.index_copy_(0, rows, sub)
+
+
 # ---- KV cache ---------------------------------------------------------------------
 
 ACTIVATION_BLOCK = 32  # w8a8: activations share one int8 scale per row and 32-wide block along K

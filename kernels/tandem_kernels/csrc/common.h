@@ -11,6 +11,7 @@
 //     elementwise.cpp          RMS norms, rotary embedding, SiLU-and-mul, greedy argmax
 //     int8_linear.cpp          int8 weights with float activations, and w8a8
 //     amx_linear.cpp           bf16 linears on AMX tiles
+//     penalties.cpp            repetition / frequency / presence penalties from token tables
 //     ops.h                    every op's C++ signature; registration.cpp: their schemas
 // Each .cpp compiles on its own (in parallel) and all link into one library.
 //

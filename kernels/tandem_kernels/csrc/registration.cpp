@@ -23,6 +23,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("attention_block(Tensor(a!) qkv, Tensor? positions, Tensor? cos_sin_cache, bool is_neox, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
+  m.def("apply_penalties(Tensor(a!) logits, Tensor rows, Tensor prompt_seen, Tensor output_counts, "
+        "Tensor slots, Tensor repetition, Tensor frequency, Tensor presence) -> ()");
   m.def("amx_available() -> bool", &amx_available);  // no tensors: one kernel for every key
   m.def("amx_pack_weight(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
@@ -40,6 +42,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("attention_block", &attention_block);
   m.impl("int8_linear", &int8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("apply_penalties", &apply_penalties);
   m.impl("amx_pack_weight", &amx_pack_weight);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_gated_linear", &amx_gated_linear);

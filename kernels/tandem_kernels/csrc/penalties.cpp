@@ -1,0 +1,75 @@
+// apply_penalties: repetition, frequency and presence penalties on sampling rows, in place, in one
+// pass over each row, from the runner's per-sequence token tables (backend/worker/penalty_history.py).
+// The twin is kernels/tandem_kernels/reference.py's apply_penalties; with -ffp-contract=off every
+// value is rounded as the twin rounds it, so the results are bit-equal.
+
+#include "ops.h"
+#include "common.h"
+
+namespace tandem {
+
+// logits [R, V] float32 (rows contiguous), for j < n: logits[rows[j]] is penalized from table
+// slot slots[j] of prompt_seen [S, V] bool and output_counts [S, V] int32 with repetition[j],
+// frequency[j] and presence[j] (float32 [n] each). Per token v of the row, with c the count:
+//   if (prompt_seen or c > 0) and repetition != 1:  x = x > 0 ? x / repetition : x * repetition
+//   x = (x - frequency * c) - presence * (c > 0)
+void apply_penalties(Tensor logits, const Tensor& rows, const Tensor& prompt_seen, const Tensor& output_counts,
+                     const Tensor& slots, const Tensor& repetition, const Tensor& frequency,
+                     const Tensor& presence) {
+  check_cpu(logits, "apply_penalties");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "apply_penalties: logits must be float32 [rows, vocab] with contiguous rows");
+  const int64_t vocab = logits.size(1), n = rows.numel();
+  TORCH_CHECK(prompt_seen.scalar_type() == at::kBool && prompt_seen.is_contiguous() && prompt_seen.dim() == 2 &&
+                  prompt_seen.size(1) == vocab,
+              "apply_penalties: prompt_seen must be contiguous bool [slots, vocab]");
+  TORCH_CHECK(output_counts.scalar_type() == at::kInt && output_counts.is_contiguous() &&
+                  output_counts.sizes() == prompt_seen.sizes(),
+              "apply_penalties: output_counts must be contiguous int32, prompt_seen's shape");
+  for (const Tensor* t : {&rows, &slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
+                "apply_penalties: rows and slots must be contiguous int64 [n]");
+  for (const Tensor* t : {&repetition, &frequency, &presence})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n,
+                "apply_penalties: repetition, frequency and presence must be contiguous float32 [n]");
+  const int64_t* row_p = rows.data_ptr<int64_t>();
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(row_p[j] >= 0 && row_p[j] < logits.size(0), "apply_penalties: a row is out of range");
+    TORCH_CHECK(slot_p[j] >= 0 && slot_p[j] < prompt_seen.size(0), "apply_penalties: a slot is out of range");
+  }
+  float* out = logits.data_ptr<float>();
+  const int64_t out_stride = logits.stride(0);
+  const bool* seen_p = prompt_seen.data_ptr<bool>();
+  const int32_t* count_p = output_counts.data_ptr<int32_t>();
+  const float* rep_p = repetition.data_ptr<float>();
+  const float* freq_p = frequency.data_ptr<float>();
+  const float* pres_p = presence.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      // restrict: a bool may alias anything, which would keep the loops scalar.
+      float* __restrict__ x = out + row_p[j] * out_stride;
+      const uint8_t* __restrict__ seen = reinterpret_cast<const uint8_t*>(seen_p) + slot_p[j] * vocab;
+      const int32_t* __restrict__ count = count_p + slot_p[j] * vocab;
+      const float rep = rep_p[j], freq = freq_p[j], pres = pres_p[j];
+      // Branch-free, so that the compiler vectorizes the loop (both sides computed, one kept).
+      if (rep != 1.0f) {
+        for (int64_t v = 0; v < vocab; ++v) {
+          const int32_t c = count[v];
+          const float value = x[v];
+          const float shrunk = value > 0.0f ? value / rep : value * rep;
+          const float repeated = (seen[v] != 0 || c > 0) ? shrunk : value;
+          x[v] = (repeated - freq * static_cast<float>(c)) - pres * (c > 0 ? 1.0f : 0.0f);
+        }
+      } else {
+        for (int64_t v = 0; v < vocab; ++v) {
+          const int32_t c = count[v];
+          x[v] = (x[v] - freq * static_cast<float>(c)) - pres * (c > 0 ? 1.0f : 0.0f);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tandem
