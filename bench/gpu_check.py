@@ -16,7 +16,11 @@ phase, so a run cut short still leaves what it measured:
 5. sweep: decode batch 1 ... 256 at context ~1,024 (step ms, tok/s, % bandwidth);
 6. nano_vllm: nano-vllm's offline workload (256 sequences, input and output lengths
    uniform in [100, 1024], EOS ignored) against its bandwidth floor: the time to read,
-   at the measured copy rate, the weights once per decode step plus each step's KV.
+   at the measured copy rate, the weights once per decode step plus each step's KV;
+7. long_context: the 1B config served at its whole 131,072-token length with CUDA graphs:
+   batch-1 decode at ~1k context against the same at the sweep's max_model_len (the step
+   must not grow with max_model_len: the split-KV layout follows the real context), then
+   at ~32k context (% bandwidth), with the graphs' capture memory and the KV cache size.
 
     python bench/gpu_check.py --out /tmp/gpu_check.json    # on the GPU
     python bench/gpu_check.py --tiny --out /tmp/tiny.json  # CPU: tiny shapes, Triton's
@@ -77,6 +81,10 @@ class Plan:
         self.max_model_len = 256 if tiny else 2304
         self.max_num_seqs = 8 if tiny else 256
         self.max_num_batched_tokens = 128 if tiny else 8192
+        # long_context: the long engine's max_model_len and the (short, long) decode contexts.
+        self.long_max_model_len = 4096 if tiny else 131072
+        self.long_contexts = (40, 1000) if tiny else (1008, 32752)
+        self.long_steps = 3 if tiny else 32
 
 
 class Results:
@@ -370,6 +378,38 @@ def phase_nano_vllm(plan: Plan, state: dict, tmp: Path) -> list[dict]:
     return rows
 
 
+def phase_long_context(plan: Plan, state: dict, tmp: Path) -> list[dict]:
+    """Batch-1 decode on the 1B config at a short and a long context, with graphs, at the
+    sweep's max_model_len and at the config's whole length."""
+    model_dir, vocab = serving_checkpoint("llama-3.2-1b", plan, state, tmp)
+    short, long = plan.long_contexts
+    rows = []
+    for max_model_len, contexts in ((plan.max_model_len, (short,)), (plan.long_max_model_len, (short, long))):
+        kwargs = dict(max_num_seqs=8, max_model_len=max_model_len)
+        if plan.tiny:  # the tiny rehearsal sizes its cache by hand: room for the long context
+            kwargs["num_kv_blocks"] = -(-max_model_len // 16) * 2
+        engine = make_engine(model_dir, plan, **kwargs)
+        runner = runner_of(engine)
+        capture_mib = runner.graphs.capture_mib if runner.graphs else 0.0
+        for context in contexts:
+            prompt = random_prompts([context], vocab, seed=context)
+            step_s, mean_context, tokens = decode_steps(engine, prompt, plan.long_steps)
+            moved = weight_bytes(engine) + mean_context * kv_bytes_per_token(engine)
+            rows.append({"max_model_len": max_model_len, "context": int(mean_context), "step_ms": step_s * 1e3,
+                         "tok_s": 1 / step_s, "pct_bandwidth": 100 * moved / step_s / 1e9 / state["bandwidth_gbs"],
+                         "capture_mib": capture_mib,
+                         "kv_cache_gib": engine.block_manager.num_blocks * runner.kv_bytes_per_block() / 2 ** 30,
+                         "first_tokens": tokens[0][:4]})
+        release(engine)
+    base = rows[0]["step_ms"]
+    for row in rows:
+        row["step_vs_short_engine"] = row["step_ms"] / base
+    # The same prompt at the same context: the split-KV layout, and so the tokens, must not
+    # depend on max_model_len.
+    rows[1]["same_tokens_as_short_engine"] = rows[1]["first_tokens"] == rows[0]["first_tokens"]
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny shapes, interpreter, fake graphs")
@@ -405,7 +445,8 @@ def main(argv=None) -> int:
                   ("logits", lambda: phase_logits(plan, state, tmp)),
                   ("graphs", lambda: phase_graphs(plan, state, tmp)),
                   ("sweep", lambda: phase_sweep(plan, state, tmp, deadline)),
-                  ("nano_vllm", lambda: phase_nano_vllm(plan, state, tmp))]
+                  ("nano_vllm", lambda: phase_nano_vllm(plan, state, tmp)),
+                  ("long_context", lambda: phase_long_context(plan, state, tmp))]
         for name, fn in phases:
             if time.monotonic() > deadline and name != "ceilings":
                 results.record(name, {"error": "skipped: time budget spent"})
