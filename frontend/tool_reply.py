@@ -6,7 +6,9 @@ asked for):
 - ``none``: all content.
 - ``auto``: parsed in the model's format; streamed, each call once it closes.
 - ``named``: the text is the named function's arguments (constrained JSON),
-  streamed as it is generated; the call's header comes with its first piece.
+  streamed as it is generated; the call's header comes with its first piece. A
+  reply cut short (``max_tokens``) is still the call, with the arguments as far
+  as they got (whole or streamed alike; the finish reason says ``length``).
 - ``required``: the constrained array of calls, read as it arrives
   (``frontend.tool_call_array``): each call streams as soon as its name is
   known. A reply cut short (``max_tokens``) keeps the calls completed before the
@@ -68,8 +70,9 @@ class ToolReply:
             return (None, reader.complete) if reader.complete else (text, [])
         try:
             return None, calls_from_constrained(text, self.named)
-        except ValueError:  # cut short (max_tokens) before the JSON closed: give the text as it is
-            return text, []
+        except ValueError:  # cut short (max_tokens) before the JSON closed: still the named call,
+            # its arguments the text as generated (as streamed; vLLM does the same)
+            return None, [ToolCall(self.named, text)]
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """(content, call pieces) that ``text``, the reply's next piece, releases."""

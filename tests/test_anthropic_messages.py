@@ -259,6 +259,17 @@ def test_a_named_tool_is_constrained_to_its_schema_and_streams_its_input(client,
     assert delta["delta"]["stop_reason"] == "tool_use"
 
 
+def test_a_named_tool_cut_by_max_tokens_gives_its_input_so_far_as_text(client, engine, tokenizer):
+    say(engine, tokenizer, '{"city": "Paris"}')
+    request = body(max_tokens=3, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    response = client.post("/v1/messages", json=request)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    ((block_type, text),) = [(b["type"], b.get("text")) for b in message["content"]]
+    assert block_type == "text" and '{"city": "Paris"}'.startswith(text) and text
+    assert message["stop_reason"] == "max_tokens"
+
+
 @pytest.mark.parametrize("tool_choice, max_items", [({"type": "any"}, None),
                                                     ({"type": "any", "disable_parallel_tool_use": True}, 1)])
 def test_any_requires_a_call(client, engine, tokenizer, tool_choice, max_items):

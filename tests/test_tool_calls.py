@@ -207,6 +207,18 @@ def test_merged_pieces_keep_one_entry_per_call():
     assert named.push(': "Rome"}')[1] == [(0, None, None, ': "Rome"}')]
 
 
+def test_a_named_call_cut_short_is_still_the_call_whole_or_streamed():
+    whole = ToolReply("named", "hermes", "get_weather").whole('{"city": "Ro')
+    assert whole[0] is None and names_and_raw(whole[1]) == [("get_weather", '{"city": "Ro')]
+    streamed = ToolReply("named", "hermes", "get_weather")
+    pieces = streamed.push('{"city"')[1] + streamed.push(': "Ro')[1] + streamed.finish()[1]
+    assert [(name, arguments) for _, _, name, arguments in merge_tool_deltas(pieces)] == [("get_weather", '{"city": "Ro')]
+
+
+def names_and_raw(calls) -> list[tuple[str, str]]:
+    return [(call.name, call.arguments) for call in calls]
+
+
 # ---- the openai SDK's chat.completions.stream() against a live server (the fake engine) ------------
 
 SDK_WEATHER = {"type": "function", "function": {
@@ -257,6 +269,25 @@ def test_sdk_stream_with_a_named_tool_keeps_every_piece_of_the_arguments(live, t
     for entries in tool_chunks:  # never two entries for one call in a chunk
         assert len({entry.index for entry in entries}) == len(entries)
     assert len(tool_chunks) > 1 and tool_chunks[0][0].function.arguments  # the header brings the first piece
+
+
+@pytest.mark.timeout(60)
+def test_a_named_call_cut_by_max_tokens_comes_back_as_the_call_with_its_arguments_so_far(live, tokenizer):
+    client, engine = live
+    say(engine, tokenizer, '{"city": "Paris"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, tools=[SDK_WEATHER],
+                                           tool_choice=named)
+    choice = whole.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and choice.message.content is None
+    assert '{"city": "Paris"}'.startswith(call.function.arguments) and call.function.arguments
+    assert choice.finish_reason == "length"
+    chunks = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, tools=[SDK_WEATHER],
+                                            tool_choice=named, stream=True)
+    arguments = "".join(entry.function.arguments or "" for chunk in chunks if chunk.choices
+                        for entry in chunk.choices[0].delta.tool_calls or [])
+    assert arguments == call.function.arguments  # streamed and whole alike
 
 
 @pytest.mark.timeout(60)

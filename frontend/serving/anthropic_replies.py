@@ -51,7 +51,9 @@ def anthropic_usage(usage: dict) -> A.AnthropicUsage:
 
 
 def _tool_input(arguments: Optional[str]) -> dict[str, Any]:
-    value = json.loads(arguments or "{}")  # the chat endpoint hands out only calls whose arguments parse
+    """A finished call's arguments as the tool_use block's input (raises ValueError if they do
+    not parse: only a named call cut short by max_tokens has such arguments)."""
+    value = json.loads(arguments or "{}")
     if not isinstance(value, dict):
         raise RequestFailedError(f"A tool call's arguments are not a JSON object: {arguments[:80]!r}.")
     return value
@@ -69,8 +71,16 @@ def message_of_chat(chat: dict, message_id: str, model: str, stop_sequences: lis
     if message.get("content"):
         content.append(A.ResponseTextBlock(text=message["content"]))
     for call in calls:
-        content.append(A.ResponseToolUseBlock(id=call["id"], name=call["function"]["name"],
-                                              input=_tool_input(call["function"].get("arguments"))))
+        arguments = call["function"].get("arguments")
+        try:
+            tool_input = _tool_input(arguments)
+        except json.JSONDecodeError:
+            if choice["finish_reason"] != "length":
+                raise
+            # A named call cut short by max_tokens: its arguments so far, as text (no input to give).
+            content.append(A.ResponseTextBlock(text=arguments))
+            continue
+        content.append(A.ResponseToolUseBlock(id=call["id"], name=call["function"]["name"], input=tool_input))
     stop_reason, stop_sequence = anthropic_stop_reason(choice["finish_reason"], choice.get("stop_reason"),
                                                        bool(calls), stop_sequences)
     return A.AnthropicMessagesResponse(id=message_id, model=model, content=content, stop_reason=stop_reason,
