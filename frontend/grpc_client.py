@@ -299,7 +299,8 @@ class GrpcEngineClient:
             model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids),
             bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
-            pad_token_id=info.pad_token_id if info.HasField("pad_token_id") else None)
+            pad_token_id=info.pad_token_id if info.HasField("pad_token_id") else None,
+            hidden_size=info.hidden_size or None)
 
     async def tokenizer_fingerprint(self) -> str:
         """The backend's tokenizer fingerprint (``backend.types.tokenizer_files.tokenizer_fingerprint``)."""

@@ -323,6 +323,7 @@ def test_model_info_describes_the_model_and_its_tokenizer(backend):
     assert (info.model_name, info.max_model_len, info.vocab_size) == (str(backend.model_dir), MAX_MODEL_LEN, VOCAB)
     assert list(info.eos_token_ids) == engine_info.eos_token_ids
     assert info.HasField("bos_token_id") == (engine_info.bos_token_id is not None)
+    assert info.hidden_size == engine_info.hidden_size == backend.engine.engine.config.hf_config.hidden_size
     # One fingerprint, whichever side computes it.
     assert info.tokenizer_fingerprint == tokenizer_fingerprint(str(backend.model_dir))
     assert info.tokenizer_fingerprint == frontend_fingerprint(str(backend.model_dir))

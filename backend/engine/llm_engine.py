@@ -439,7 +439,7 @@ class LLMEngine:
             vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
             bos_token_id=getattr(cfg.hf_config, "bos_token_id", None),
             pad_token_id=getattr(cfg.hf_config, "pad_token_id", None),
-            tokenizer_path=str(cfg.tokenizer_path))
+            tokenizer_path=str(cfg.tokenizer_path), hidden_size=getattr(cfg.hf_config, "hidden_size", None))
 
     def get_load(self) -> EngineLoad:
         return EngineLoad(self.scheduler.num_running, self.scheduler.num_waiting,

@@ -309,7 +309,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids, bos_token_id=info.bos_token_id,
             pad_token_id=info.pad_token_id, tokenizer_fingerprint=self._tokenizer_fingerprint,
-            backend_version=self._version)
+            backend_version=self._version, hidden_size=info.hidden_size or 0)
 
     @map_errors
     async def GetTokenizer(self, request: engine_pb2.GetTokenizerRequest,

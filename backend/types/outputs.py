@@ -71,6 +71,7 @@ class ModelInfo:
     bos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
     tokenizer_path: Optional[str] = None  # a local directory holding the tokenizer files
+    hidden_size: Optional[int] = None  # the length of an embedding vector (None: not known)
 
 
 @dataclass

@@ -28,7 +28,12 @@ from frontend.serving.prompts import Prompt
 class OpenAIServingEmbedding(OpenAIServing):
     """POST /v1/embeddings."""
 
-    hidden_size: Optional[int] = None  # learnt from the first vector: later ``dimensions`` are refused up front
+    _vector_size: Optional[int] = None  # learnt from the first vector, where the backend did not say
+
+    @property
+    def hidden_size(self) -> Optional[int]:
+        """The embedding size: the backend's model info says it; older backends' first answer does."""
+        return self.model_info.hidden_size or self._vector_size
 
     async def create_embedding(self, request: P.EmbeddingRequest, raw_request: Request) -> Response:
         self._check_model(request.model)
@@ -51,7 +56,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 for i, prompt in enumerate(prompts)))
         finally:
             self.context.num_in_flight -= 1
-        self.hidden_size = len(vectors[0])
+        self._vector_size = len(vectors[0])
         self._check_dimensions(request.dimensions)
         data = [P.EmbeddingData(index=i, embedding=_encode(vector, request.encoding_format))
                 for i, vector in enumerate(vectors)]
