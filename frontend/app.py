@@ -42,6 +42,7 @@ from frontend.serving.embeddings import OpenAIServingEmbedding
 from frontend.serving.errors import install_error_handlers
 from frontend.serving.invocations import OpenAIServingInvocations
 from frontend.serving.models import OpenAIServingModels
+from frontend.serving.response_store import ResponseStore
 from frontend.serving.responses import OpenAIServingResponses
 from frontend.serving.status import ServingStatus, tandem_version
 from frontend.serving.tokenize import OpenAIServingTokenization
@@ -57,11 +58,13 @@ OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/
 
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
                api_key: Optional[str] = None, collectors: Sequence[Collector] = (),
-               limits: Optional[Limits] = None, tool_call_parser: str = "auto") -> FastAPI:
+               limits: Optional[Limits] = None, tool_call_parser: str = "auto",
+               response_store: Optional[ResponseStore] = None) -> FastAPI:
     """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
 
     ``collectors`` (e.g. the router's) are served on ``/metrics`` with the HTTP metrics;
-    ``tool_call_parser`` is the format of tool calls in the model's replies. The endpoints'
+    ``tool_call_parser`` is the format of tool calls in the model's replies; ``response_store``
+    keeps /v1/responses' stored responses (default: this process's memory). The endpoints'
     shared ``ServingContext`` is ``app.state.serving`` (its ``close()`` stops the chat template
     workers, if request templates are allowed).
     """
@@ -75,7 +78,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     serving_chat = OpenAIServingChat(context)
     serving_invocations = OpenAIServingInvocations(serving_chat, serving_completion)
     serving_messages = AnthropicServingMessages(context, serving_chat)
-    serving_responses = OpenAIServingResponses(context, serving_chat)
+    serving_responses = OpenAIServingResponses(context, serving_chat, response_store)
     serving_tokenization = OpenAIServingTokenization(context)
     serving_embedding = OpenAIServingEmbedding(context)
     serving_models = OpenAIServingModels(context)
@@ -115,11 +118,11 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     @app.get("/v1/responses/{response_id}", response_model=R.ResponseObject, responses={404: error})
     async def retrieve_response(response_id: str) -> Response:
         """A response stored (``store``) by this frontend."""
-        return serving_responses.retrieve_response(response_id)
+        return await serving_responses.retrieve_response(response_id)
 
     @app.delete("/v1/responses/{response_id}", responses={404: error})
     async def delete_response(response_id: str) -> R.DeletedResponse:
-        return serving_responses.delete_response(response_id)
+        return await serving_responses.delete_response(response_id)
 
     # Anthropic's Messages API: its routes answer errors in Anthropic's shape.
     anthropic_route = anthropic_route_class(limits.retry_after_s)

@@ -401,6 +401,26 @@ class GrpcEngineClient:
             await self._channel.close()
             self._channel = None
 
+    # ---- stored responses (kept by the backend for any frontend; the payload is ours) ----
+
+    async def put_stored_response(self, response_id: str, payload: bytes) -> bool:
+        """Keep ``payload`` under ``response_id`` on this backend; False if it exceeds the store's bound."""
+        response = await self._unary(self._engine.PutStoredResponse,
+                                     engine_pb2.PutStoredResponseRequest(response_id=response_id, payload=payload))
+        return response.stored
+
+    async def get_stored_response(self, response_id: str) -> Optional[bytes]:
+        """The payload this backend keeps under ``response_id``, or None."""
+        response = await self._unary(self._engine.GetStoredResponse,
+                                     engine_pb2.GetStoredResponseRequest(response_id=response_id))
+        return response.payload if response.found else None
+
+    async def delete_stored_response(self, response_id: str) -> bool:
+        """Forget ``response_id`` on this backend; False if it did not hold it."""
+        response = await self._unary(self._engine.DeleteStoredResponse,
+                                     engine_pb2.DeleteStoredResponseRequest(response_id=response_id))
+        return response.deleted
+
     async def _unary(self, method, request):
         try:
             return await method(request, timeout=UNARY_TIMEOUT_S, metadata=self._metadata)

@@ -38,6 +38,7 @@ from backend.types.command_line import CommandLineParser
 from backend.types.ports import check_port_free, port_error, port_number
 from backend.types.wire import TOKEN_ENV  # read when --backend-auth-token is not given
 from frontend.app import create_app
+from frontend.backend_response_store import BackendResponseStore
 from frontend.environment import API_KEY_ENV
 from frontend.router import DEFAULT_PREFIX_TOKENS, POLICIES, Router, parse_targets
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -133,7 +134,7 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
         if served_model_name:
             model_info.model_name = served_model_name
         app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()],
-                         limits, tool_call_parser)
+                         limits, tool_call_parser, response_store=BackendResponseStore(router))
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off",
                                 http=app.state.http_protocol)

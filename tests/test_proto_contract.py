@@ -269,4 +269,5 @@ def test_stubs_stream_generate_and_serve_beside_health_and_reflection(echo_serve
         "tandem.engine.v1.EngineService")
     assert reflected.name == "tandem/engine/v1/engine.proto"
     assert [m.name for m in reflected.service[0].method] == [
-        "Generate", "Abort", "GetModelInfo", "GetTokenizer", "GetLoad", "GetMetrics", "GenerateStream", "Embed"]
+        "Generate", "Abort", "GetModelInfo", "GetTokenizer", "GetLoad", "GetMetrics", "GenerateStream", "Embed",
+        "PutStoredResponse", "GetStoredResponse", "DeleteStoredResponse"]

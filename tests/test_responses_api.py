@@ -23,7 +23,7 @@ from test_invalid_unicode import _can_hold_text
 from backend.types.outputs import ModelInfo
 from frontend.app import create_app
 from frontend.protocol import responses as R
-from frontend.serving.response_store import ResponseStore, StoredResponse
+from frontend.serving.response_store import LocalResponseStore, StoredResponse
 
 MAX_MODEL_LEN = 2048  # room for the tools' system prompt (long in the tiny vocabulary)
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -286,7 +286,7 @@ def test_get_and_delete_a_stored_response(client):
         "id": first["id"], "object": "response.deleted", "deleted": True}
     for response in (client.get(f"/v1/responses/{first['id']}"), client.delete(f"/v1/responses/{first['id']}")):
         assert response.status_code == 404 and response.json()["error"]["param"] == "response_id"
-        assert "not found on this frontend" in response.json()["error"]["message"]
+        assert "not found" in response.json()["error"]["message"]
 
 
 def test_a_streamed_response_is_stored_when_it_ends(client):
@@ -306,23 +306,34 @@ def test_store_false_keeps_nothing_and_an_unknown_id_is_a_404(client, engine):  
     assert len(engine.requests) == before
 
 
-def entry(size: int) -> StoredResponse:
-    return StoredResponse({}, [], size)
-
-
 def test_the_store_is_bounded_by_count_and_bytes_least_recently_used_first():
-    store = ResponseStore(max_entries=3, max_bytes=100)
+    from backend.types.bounded_store import BoundedStore
+
+    store = BoundedStore(max_entries=3, max_bytes=100)
     for name in "abc":
-        assert store.put(name, entry(10))
-    assert store.get("a") is not None  # a is now the most recently used
-    store.put("d", entry(10))  # the count bound: b, the least recently used, goes
+        assert store.put(name, name, 10)
+    assert store.get("a") == "a"  # a is now the most recently used
+    store.put("d", "d", 10)  # the count bound: b, the least recently used, goes
     assert store.get("b") is None and len(store) == 3 and store.num_bytes == 30
-    store.put("e", entry(85))  # 30 + 85 > 100: c then a go (least recent first), d fits beside e
+    store.put("e", "e", 85)  # 30 + 85 > 100: c then a go (least recent first), d fits beside e
     assert store.get("c") is None and store.get("a") is None and store.num_bytes == 95
-    assert store.get("d") is not None and store.get("e") is not None
-    assert not store.put("huge", entry(101)) and store.get("huge") is None and store.num_bytes == 95
-    store.put("e", entry(5))  # replacing counts the new size only
+    assert store.get("d") == "d" and store.get("e") == "e"
+    assert not store.put("huge", "x", 101) and store.get("huge") is None and store.num_bytes == 95
+    store.put("e", "e2", 5)  # replacing counts the new size only
     assert store.num_bytes == 15 and store.delete("e") and not store.delete("e") and store.num_bytes == 10
+
+
+def test_a_stored_response_round_trips_through_its_encoding():
+    import asyncio
+
+    conversation = [R.MessageItem(role="user", content="Hi"),
+                    R.FunctionCallItem(type="function_call", call_id="c1", name="f", arguments="{}", id="fc_1",
+                                       status="completed")]
+    entry = StoredResponse({"id": "resp_1", "output": []}, conversation)
+    store = LocalResponseStore(max_entries=2, max_bytes=len(entry.encode()))
+    assert asyncio.run(store.put("resp_1", entry))
+    assert asyncio.run(store.get("resp_1")) == entry
+    assert not asyncio.run(store.put("resp_2", StoredResponse({"id": "resp_2", "output": [1]}, conversation)))
 
 
 # ---- refusals and errors --------------------------------------------------------------------------
@@ -438,7 +449,7 @@ def test_sdk_create_and_stream(live, tokenizer):  # noqa: F811
     assert client.responses.retrieve(response.id).output_text == response.output_text
     with pytest.raises(openai.BadRequestError, match="reasoning"):
         client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "high"})
-    with pytest.raises(openai.NotFoundError, match="not found on this frontend"):
+    with pytest.raises(openai.NotFoundError, match="not found"):
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_unknown")
 
 

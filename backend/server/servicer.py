@@ -30,6 +30,7 @@ from backend.server.generate_stream import GenerateStreamCall
 from backend.server.metrics import EngineMetrics
 from backend.server.proto_convert import pooling_params_from_proto, response_from_output, sampling_params_from_proto
 from backend.server.status_codes import BackendShuttingDownError, map_errors, safe_deserializer
+from backend.types.bounded_store import BoundedStore
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError, OverloadedError, RequestFailedError, RequestTimeoutError
 from backend.types.limits import Limits
@@ -181,6 +182,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
+        # The Responses API's stored responses (payloads opaque here), for any frontend.
+        self._stored_responses: BoundedStore[bytes] = BoundedStore(self.limits.max_stored_responses,
+                                                                   self.limits.max_stored_response_bytes)
 
     @map_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -326,6 +330,35 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     offset += len(data)
                     if offset >= size:
                         break
+
+    # ---- stored responses (the payloads are the frontends') ----
+
+    def _check_response_id(self, response_id: str) -> None:
+        if not response_id:
+            raise InvalidRequestError("response_id must not be empty.", param="response_id")
+        if len(response_id) > self.limits.max_request_id_length:
+            raise InvalidRequestError(f"response_id must be at most {self.limits.max_request_id_length} characters "
+                                      "(the server's --max-request-id-length).", param="response_id")
+
+    @map_errors
+    async def PutStoredResponse(self, request: engine_pb2.PutStoredResponseRequest,
+                                context: grpc.aio.ServicerContext) -> engine_pb2.PutStoredResponseResponse:
+        self._check_response_id(request.response_id)
+        stored = self._stored_responses.put(request.response_id, request.payload, len(request.payload))
+        return engine_pb2.PutStoredResponseResponse(stored=stored)
+
+    @map_errors
+    async def GetStoredResponse(self, request: engine_pb2.GetStoredResponseRequest,
+                                context: grpc.aio.ServicerContext) -> engine_pb2.GetStoredResponseResponse:
+        self._check_response_id(request.response_id)
+        payload = self._stored_responses.get(request.response_id)
+        return engine_pb2.GetStoredResponseResponse(found=payload is not None, payload=payload or b"")
+
+    @map_errors
+    async def DeleteStoredResponse(self, request: engine_pb2.DeleteStoredResponseRequest,
+                                   context: grpc.aio.ServicerContext) -> engine_pb2.DeleteStoredResponseResponse:
+        self._check_response_id(request.response_id)
+        return engine_pb2.DeleteStoredResponseResponse(deleted=self._stored_responses.delete(request.response_id))
 
     @map_errors
     async def GetLoad(self, request: engine_pb2.GetLoadRequest,

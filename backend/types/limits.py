@@ -44,6 +44,9 @@ class Limits:
     # ---- admission (excess refused at once: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) ----
     max_concurrent_requests: int = 2048  # frontend: generation requests being answered
     max_num_queued_requests: int = 1024  # backend: sequences waiting beyond the max_num_seqs running
+    # ---- the Responses API's stored responses (backend; least recently used evicted first) ----
+    max_stored_responses: int = 1024  # responses kept for previous_response_id and GET
+    max_stored_response_bytes: int = 64 * 1024 * 1024  # their JSON, all together
     retry_after_s: int = 1  # the Retry-After a refused client is told
     # ---- the HTTP edge, before admission (frontend; see frontend/middleware.py) ----
     http_header_timeout_s: int = 10  # a request's head must arrive whole within this (else 408, closed)
@@ -161,6 +164,9 @@ _HELP = {
                                  "admission); more wait for a slot, 429 if none frees within "
                                  "--http-body-timeout-s",
     "max_grpc_message_bytes": "largest gRPC message either way",
+    "max_stored_responses": "most /v1/responses responses kept (store: true) for previous_response_id and GET; "
+                            "beyond, the least recently used goes",
+    "max_stored_response_bytes": "most bytes (JSON) of stored /v1/responses responses, all together",
     "trust_request_chat_template": "render a chat_template sent in a request (chat completions, /tokenize) in a "
                                    "bounded worker process; off: such a request gets a 400",
     "chat_template_workers": "worker processes that render request chat templates",
@@ -180,4 +186,5 @@ FRONTEND_LIMITS = ("max_n", "max_stop_sequences", "max_stop_sequence_length", "m
                    "max_unauthenticated_requests", "max_concurrent_body_reads")
 BACKEND_LIMITS = ("max_n", "max_stop_sequences", "max_logprobs", "max_logprob_token_ids", "max_logit_bias",
                   "max_cache_salt_length",
-                  "max_request_id_length", "max_num_queued_requests", "max_grpc_message_bytes")
+                  "max_request_id_length", "max_num_queued_requests", "max_grpc_message_bytes",
+                  "max_stored_responses", "max_stored_response_bytes")

@@ -1,21 +1,32 @@
-"""Stored responses of /v1/responses: what ``previous_response_id`` continues and GET returns.
+"""Stored responses of /v1/responses: what ``previous_response_id`` continues, GET returns and
+DELETE forgets.
 
-In this frontend process's memory, bounded by count and by bytes; the least
-recently used entry goes first when either bound is reached. An entry larger
-than the byte bound is not stored (``put`` says so). The frontends are
-stateless otherwise: behind a load balancer, a continuation reaches a
-frontend that may not hold its response (a 404 that says so); a store shared
-by the frontends is future work.
+Two stores with one (async) interface, ``ResponseStore``:
+
+- ``LocalResponseStore``: this process's memory. For a frontend over an in-process engine
+  (and the tests); behind a load balancer it would tie a conversation to one frontend.
+- ``frontend.backend_response_store.BackendResponseStore``: kept by the backends (the
+  ``PutStoredResponse`` / ``GetStoredResponse`` / ``DeleteStoredResponse`` RPCs), so any
+  frontend continues a response another one served: what ``tandem frontend`` uses.
+
+Both are bounded by count and bytes, least recently used evicted first (the backend's by
+``--max-stored-responses`` and ``--max-stored-response-bytes``); an entry larger than the byte
+bound alone is not stored (``put`` says so).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
-DEFAULT_MAX_STORED_RESPONSES = 1024
-DEFAULT_MAX_STORED_BYTES = 64 * 1024 * 1024
+from pydantic import TypeAdapter
+
+from backend.types.bounded_store import BoundedStore
+from backend.types.limits import Limits
+from frontend.protocol import responses as R
+
+_CONVERSATION = TypeAdapter(list[R.InputItem])
 
 
 @dataclass(frozen=True)
@@ -25,47 +36,43 @@ class StoredResponse:
 
     body: dict[str, Any]
     conversation: list[Any]
-    size_bytes: int  # the JSON size of both, what the byte bound counts
+
+    def encode(self) -> bytes:
+        """JSON bytes (what the stores keep and count)."""
+        return json.dumps({"body": self.body, "conversation": [item.model_dump(mode="json", exclude_none=True)
+                                                               for item in self.conversation]}).encode()
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "StoredResponse":
+        data = json.loads(payload)
+        return cls(data["body"], _CONVERSATION.validate_python(data["conversation"]))
 
 
-class ResponseStore:
-    """Responses by ID, least recently used evicted first once ``max_entries`` or ``max_bytes``
-    would be exceeded."""
+class ResponseStore(Protocol):
+    async def put(self, response_id: str, entry: StoredResponse) -> bool:
+        """Keep ``entry``; False if it was not kept (too large, or no backend took it)."""
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_STORED_RESPONSES,
-                 max_bytes: int = DEFAULT_MAX_STORED_BYTES) -> None:
-        if max_entries < 1 or max_bytes < 1:
-            raise ValueError("a response store holds at least one entry of at least one byte")
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self.num_bytes = 0
+    async def get(self, response_id: str) -> Optional[StoredResponse]:
+        """The entry, or None if no store holds it."""
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    async def delete(self, response_id: str) -> bool:
+        """Forget the entry; False if no store held it."""
 
-    def put(self, response_id: str, entry: StoredResponse) -> bool:
-        """Store ``entry`` (replacing one with its ID); False, storing nothing, if it alone is
-        larger than ``max_bytes``."""
-        if entry.size_bytes > self.max_bytes:
-            return False
-        self.delete(response_id)
-        while self._entries and (len(self._entries) >= self.max_entries
-                                 or self.num_bytes + entry.size_bytes > self.max_bytes):
-            _, evicted = self._entries.popitem(last=False)
-            self.num_bytes -= evicted.size_bytes
-        self._entries[response_id] = entry
-        self.num_bytes += entry.size_bytes
-        return True
 
-    def get(self, response_id: str) -> Optional[StoredResponse]:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+class LocalResponseStore:
+    """``ResponseStore`` in this process's memory (encoded, as the backends keep them)."""
 
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
-            return False
-        self.num_bytes -= entry.size_bytes
-        return True
+    def __init__(self, max_entries: int = Limits.max_stored_responses,
+                 max_bytes: int = Limits.max_stored_response_bytes) -> None:
+        self.entries: BoundedStore[bytes] = BoundedStore(max_entries, max_bytes)
+
+    async def put(self, response_id: str, entry: StoredResponse) -> bool:
+        payload = entry.encode()
+        return self.entries.put(response_id, payload, len(payload))
+
+    async def get(self, response_id: str) -> Optional[StoredResponse]:
+        payload = self.entries.get(response_id)
+        return StoredResponse.decode(payload) if payload is not None else None
+
+    async def delete(self, response_id: str) -> bool:
+        return self.entries.delete(response_id)

@@ -17,10 +17,13 @@ How the request maps:
 - ``tools`` (functions) and ``tool_choice`` as the chat's; ``text.format`` ->
   ``response_format``; ``max_output_tokens`` -> ``max_completion_tokens``;
   ``temperature``, ``top_p``, ``parallel_tool_calls`` as they are.
-- ``store`` (the default) keeps the response and its conversation in this
-  frontend's ``ResponseStore``; ``previous_response_id`` puts that
-  conversation (its inputs, then its outputs) before the new input. Its
-  ``instructions`` are not carried over, as OpenAI's are not.
+- ``store`` (the default) keeps the response and its conversation in the
+  ``ResponseStore`` (``frontend.serving.response_store``: behind ``tandem
+  frontend``, on the backends, so any frontend can continue it);
+  ``previous_response_id`` puts that conversation (its inputs, then its
+  outputs) before the new input. Its ``instructions`` are not carried over, as
+  OpenAI's are not. A streamed response is stored before its last event is
+  sent, so a client may continue it at once.
 
 Errors name the Responses field (``input`` for the chat's ``messages``, ...).
 """
@@ -42,7 +45,7 @@ from frontend.serving import sse
 from frontend.serving.base import OpenAIServing, ServingContext
 from frontend.serving.chat import OpenAIServingChat
 from frontend.serving.errors import NotFoundError
-from frontend.serving.response_store import ResponseStore, StoredResponse
+from frontend.serving.response_store import LocalResponseStore, ResponseStore, StoredResponse
 from frontend.serving.responses_replies import ResponseEventStream, ResponseHead, response_of_chat
 
 logger = logging.getLogger(__name__)
@@ -135,14 +138,14 @@ class OpenAIServingResponses(OpenAIServing):
                  store: Optional[ResponseStore] = None) -> None:
         super().__init__(context)
         self.chat = chat
-        self.store = store if store is not None else ResponseStore()
+        self.store: ResponseStore = store if store is not None else LocalResponseStore()
 
     async def create_response(self, request: R.ResponsesRequest, raw_request: Request) -> Response:
         self._check_model(request.model)
         response_id = f"resp_{uuid.uuid4().hex}"
         items: list = []
         if request.previous_response_id is not None:
-            items = list(self._stored(request.previous_response_id, "previous_response_id").conversation)
+            items = list((await self._stored(request.previous_response_id, "previous_response_id")).conversation)
         items += [R.MessageItem(role="user", content=request.input)] if isinstance(request.input, str) \
             else request.input
         if not items:
@@ -156,43 +159,46 @@ class OpenAIServingResponses(OpenAIServing):
             error.param = _RESPONSES_FIELD_OF.get(error.param, error.param)
             raise
 
-        def keep(final: R.ResponseObject) -> None:
+        async def keep(final: R.ResponseObject) -> None:
             if request.store:
-                self._keep(final, items)
+                await self._keep(final, items)
 
         if isinstance(chat_response, StreamingResponse):
             stream = ResponseEventStream(head, keep)
             return StreamingResponse(stream.events(chat_response.body_iterator), media_type=sse.MEDIA_TYPE,
                                      headers=sse.HEADERS)
         final = response_of_chat(json.loads(chat_response.body), head)
-        keep(final)
+        await keep(final)
         return self._json(final)
 
-    def retrieve_response(self, response_id: str) -> JSONResponse:
-        return JSONResponse(self._stored(response_id, "response_id").body)
+    async def retrieve_response(self, response_id: str) -> JSONResponse:
+        return JSONResponse((await self._stored(response_id, "response_id")).body)
 
-    def delete_response(self, response_id: str) -> R.DeletedResponse:
-        if not self.store.delete(response_id):
+    async def delete_response(self, response_id: str) -> R.DeletedResponse:
+        if not await self.store.delete(response_id):
             raise self._not_found(response_id, "response_id")
         return R.DeletedResponse(id=response_id)
 
     # ---- the store ----
 
-    def _stored(self, response_id: str, param: str) -> StoredResponse:
-        stored = self.store.get(response_id)
+    async def _stored(self, response_id: str, param: str) -> StoredResponse:
+        stored = await self.store.get(response_id)
         if stored is None:
             raise self._not_found(response_id, param)
         return stored
 
     @staticmethod
     def _not_found(response_id: str, param: str) -> NotFoundError:
-        return NotFoundError(f"Response with id {response_id[:80]!r} not found on this frontend (it was not stored, "
-                             "was deleted or evicted, or another frontend served it).", param=param)
+        return NotFoundError(f"Response with id {response_id[:80]!r} not found (it was not stored, or was deleted, "
+                             "or evicted from the store, or its backend restarted).", param=param)
 
-    def _keep(self, final: R.ResponseObject, items: list) -> None:
-        conversation = items + _as_input_items(final.output)
-        body = final.model_dump(mode="json")
-        size = len(json.dumps(body)) + sum(len(item.model_dump_json()) for item in conversation)
-        if not self.store.put(final.id, StoredResponse(body, conversation, size)):
-            logger.warning("Response %s not stored: its %d bytes exceed the store's %d.", final.id, size,
-                           self.store.max_bytes)
+    async def _keep(self, final: R.ResponseObject, items: list) -> None:
+        entry = StoredResponse(final.model_dump(mode="json"), items + _as_input_items(final.output))
+        try:
+            stored = await self.store.put(final.id, entry)
+        except Exception as error:  # noqa: BLE001 -- the response itself is done: it goes out unstored
+            logger.warning("Response %s not stored: %s", final.id, error)
+            return
+        if not stored:
+            logger.warning("Response %s not stored: larger than the store's byte bound, or no backend took it.",
+                           final.id)

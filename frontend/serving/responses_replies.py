@@ -28,7 +28,7 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Union
 
 from backend.types.errors import RequestFailedError
 from frontend.protocol import responses as R
@@ -110,10 +110,11 @@ class ResponseEventStream:
     """One streamed response: the chat stream's chunks in, the Responses events out (``events``).
 
     The chat stream must end with a usage chunk (``stream_options.include_usage``).
-    ``on_finished`` receives the final response once it completed (or is incomplete).
+    ``on_finished`` is awaited with the final response once it completed (or is incomplete),
+    before the last event goes out.
     """
 
-    def __init__(self, head: ResponseHead, on_finished: Callable[[R.ResponseObject], None]) -> None:
+    def __init__(self, head: ResponseHead, on_finished: Callable[[R.ResponseObject], Awaitable[None]]) -> None:
         self.head, self.on_finished = head, on_finished
         self._sequence = 0
         self._pending = ""  # SSE text of a chat event not yet whole
@@ -123,6 +124,7 @@ class ResponseEventStream:
         self._held_space = ""  # whitespace that may come before a call (not yet a message)
         self._finish_reason: Optional[str] = None
         self._finished = False
+        self._final: Optional[R.ResponseObject] = None  # once ended
 
     async def events(self, chat_sse: AsyncIterator[Union[str, bytes]]) -> AsyncIterator[str]:
         """The events for the chat stream ``chat_sse`` (closed when this ends or is closed, which
@@ -138,7 +140,9 @@ class ResponseEventStream:
                             for event in self._translate(json.loads(data)):
                                 yield event
             if not self._finished:
-                for event in self._end():
+                events = self._end()
+                await self.on_finished(self._final)
+                for event in events:
                     yield event
         except Exception as error:  # noqa: BLE001 -- reported to the client in the stream
             if not self._finished:
@@ -185,7 +189,7 @@ class ResponseEventStream:
         events += self._close(status)
         final = self.head.response(status, self._output, response_usage(self._usage), incomplete)
         self._finished = True
-        self.on_finished(final)
+        self._final = final
         name = "response.completed" if status == "completed" else "response.incomplete"
         return events + [self._event(name, response=final.model_dump(mode="json"))]
 

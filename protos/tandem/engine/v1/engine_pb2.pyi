@@ -299,3 +299,43 @@ class EmbedResponse(_message.Message):
     embedding: _containers.RepeatedScalarFieldContainer[float]
     num_prompt_tokens: int
     def __init__(self, embedding: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class PutStoredResponseRequest(_message.Message):
+    __slots__ = ("response_id", "payload")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    payload: bytes
+    def __init__(self, response_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PutStoredResponseResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    def __init__(self, stored: _Optional[bool] = ...) -> None: ...
+
+class GetStoredResponseRequest(_message.Message):
+    __slots__ = ("response_id",)
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    def __init__(self, response_id: _Optional[str] = ...) -> None: ...
+
+class GetStoredResponseResponse(_message.Message):
+    __slots__ = ("found", "payload")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    payload: bytes
+    def __init__(self, found: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class DeleteStoredResponseRequest(_message.Message):
+    __slots__ = ("response_id",)
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    def __init__(self, response_id: _Optional[str] = ...) -> None: ...
+
+class DeleteStoredResponseResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...

@@ -75,6 +75,21 @@ class EngineServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.PutStoredResponse = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/PutStoredResponse',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PutStoredResponseRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PutStoredResponseResponse.FromString,
+                _registered_method=True)
+        self.GetStoredResponse = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/GetStoredResponse',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetStoredResponseRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetStoredResponseResponse.FromString,
+                _registered_method=True)
+        self.DeleteStoredResponse = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/DeleteStoredResponse',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.DeleteStoredResponseRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.DeleteStoredResponseResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -150,6 +165,33 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutStoredResponse(self, request, context):
+        """The Responses API's stored responses, kept by the backends so that any
+        frontend can continue (`previous_response_id`), return or delete a
+        response another frontend served. The payload is the frontend's own
+        (opaque here); the backend keeps payloads in memory, bounded by count
+        and bytes (--max-stored-responses, --max-stored-response-bytes), the
+        least recently used evicted first, and loses them when it restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStoredResponse(self, request, context):
+        """A stored response's payload, if this backend holds it (see
+        PutStoredResponse); a frontend asks every backend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteStoredResponse(self, request, context):
+        """Forgets a stored response, if this backend holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +234,21 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
+            ),
+            'PutStoredResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutStoredResponse,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PutStoredResponseRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.PutStoredResponseResponse.SerializeToString,
+            ),
+            'GetStoredResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStoredResponse,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetStoredResponseRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetStoredResponseResponse.SerializeToString,
+            ),
+            'DeleteStoredResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStoredResponse,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.DeleteStoredResponseRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.DeleteStoredResponseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -411,6 +468,87 @@ class EngineService:
             '/tandem.engine.v1.EngineService/Embed',
             tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStoredResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/PutStoredResponse',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.PutStoredResponseRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.PutStoredResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStoredResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/GetStoredResponse',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GetStoredResponseRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.GetStoredResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStoredResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/DeleteStoredResponse',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.DeleteStoredResponseRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.DeleteStoredResponseResponse.FromString,
             options,
             channel_credentials,
             insecure,
