@@ -552,7 +552,8 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(tiny_checkpoint):
     process = subprocess.Popen(
         [sys.executable, "-m", "backend.server", str(model_dir), "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
-         "--max-model-len", "256", "--shutdown-timeout", "5"],
+         # The drain waits up to 30 s: 60 tokens take ~1 s on an idle machine, several on a loaded one.
+         "--max-model-len", "256", "--shutdown-timeout", "30"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port, output = None, []
@@ -591,7 +592,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(tiny_checkpoint):
 
         assert sum(len(r.new_token_ids) for r in responses) == 60
         assert responses[-1].finish_reason == FINISH.FINISH_REASON_LENGTH
-        assert process.wait(timeout=20) == 0
+        assert process.wait(timeout=40) == 0
     finally:
         if process.poll() is None:
             process.kill()
