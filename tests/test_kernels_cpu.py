@@ -210,6 +210,35 @@ def test_int8_linear_equals_its_dequantized_reference(m, k, n):
                                cpu.int8_linear(x, weight, scale, None)[0], atol=0, rtol=0)
 
 
+def int8_case(m, k, n, seed):
+    """x [m, k] (one all-zero 32-wide block in its last row), int8 weight [n, k], scale [n], bias [n]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * 4
+    x[-1, :32] = 0
+    weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return x, weight, torch.rand(n, generator=gen) * 0.02, torch.randn(n, generator=gen)
+
+
+# Odd k and n (tails of every vector width and 32-wide block), 1 row to more than a row block.
+INT8_SHAPES = [(1, 64, 12), (2, 13, 4), (5, 72, 9), (7, 70, 17), (33, 576, 50), (70, 100, 33), (130, 128, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", INT8_SHAPES)
+def test_int8_linear_equals_its_reference_in_the_activations_dtype(m, k, n, dtype):
+    x, weight, scale, bias = int8_case(m, k, n, seed=9)
+    x = x.to(dtype)
+    for b in (bias, bias.to(dtype), None):
+        got, want = cpu.int8_linear(x, weight, scale, b), reference.int8_linear(x, weight, scale, b)
+        assert got.dtype == dtype and got.shape == (m, n)
+        # float32: the same products summed in another order; bf16: rounded once from those sums.
+        tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+        torch.testing.assert_close(got, want, **tol)
+    whole = cpu.int8_linear(x, weight, scale, None)
+    for i in (0, m - 1):  # a row's result does not depend on the rows batched with it
+        assert torch.equal(cpu.int8_linear(x[i:i + 1], weight, scale, None)[0], whole[i])
+
+
 needs_amx = pytest.mark.skipif(not cpu.amx_available(), reason="needs a CPU with AMX (Intel Sapphire Rapids or later)")
 
 
@@ -272,6 +301,54 @@ def test_w8a8_linear_equals_its_reference(m, k, n):
     whole = cpu.w8a8_linear(x, weight, scale, None)
     for i in range(m):  # a row's result does not depend on the rows batched with it
         assert torch.equal(cpu.w8a8_linear(x[i:i + 1], weight, scale, None)[0], whole[i])
+
+
+needs_vnni = pytest.mark.skipif(not cpu.w8a8_vnni_available(), reason="needs a CPU with AVX-512 VNNI")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", INT8_SHAPES)
+def test_w8a8_linear_equals_its_reference_in_the_activations_dtype(m, k, n, dtype):
+    x, weight, scale, bias = int8_case(m, k, n, seed=10)
+    x = x.to(dtype)
+    packed = cpu.w8a8_pack_weight(weight) if cpu.w8a8_vnni_available() else None
+    for b in (bias, bias.to(dtype), None):
+        want = reference.w8a8_linear(x, weight, scale, b)
+        kernels = [cpu.w8a8_linear(x, weight, scale, b)]
+        if packed is not None:
+            kernels.append(cpu.w8a8_linear_packed(x, packed, scale, b))
+        for got in kernels:
+            assert got.dtype == dtype and got.shape == (m, n)
+            # The same exact block sums, added in float in another order (bf16: then rounded once).
+            tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+            torch.testing.assert_close(got, want, **tol)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(9, 70, 5), (70, 576, 33), (131, 64, 40)])
+def test_w8a8_packed_rows_do_not_depend_on_their_batch(m, k, n, dtype):
+    x, weight, scale, _ = int8_case(m, k, n, seed=11)
+    x = x.to(dtype)
+    packed = cpu.w8a8_pack_weight(weight)
+    whole = cpu.w8a8_linear_packed(x, packed, scale, None)
+    for i in range(m):  # 4-row tiles, their tails and the 64-row blocks all sum alike
+        assert torch.equal(cpu.w8a8_linear_packed(x[i:i + 1], packed, scale, None)[0], whole[i])
+    assert torch.equal(cpu.w8a8_linear_packed(x[m // 3:], packed, scale, None), whole[m // 3:])
+
+
+@needs_vnni
+def test_w8a8_packed_refuses_a_weight_of_another_shape():
+    weight = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    packed, scale = cpu.w8a8_pack_weight(weight), torch.ones(40)
+    assert packed.shape == (3, 2 * 512) and packed.dtype == torch.uint8  # 16-column panels, 32-wide blocks
+    with pytest.raises(RuntimeError, match="w8a8_pack_weight of"):
+        cpu.w8a8_linear_packed(torch.randn(2, 96), packed, scale, None)
+    with pytest.raises(RuntimeError, match="w8a8_pack_weight of"):
+        cpu.w8a8_linear_packed(torch.randn(2, 64), packed, torch.ones(60), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu.w8a8_linear_packed(torch.randn(2, 64).half(), packed, scale, None)
+    assert cpu.w8a8_linear_packed(torch.randn(0, 64), packed, scale, None).shape == (0, 40)
 
 
 def test_w8a8_reference_quantizes_each_block_to_its_own_scale():

@@ -1,4 +1,4 @@
-"""Linear methods: oneDNN-prepacked weights (same math as F.linear) and weight-only int8."""
+"""Linear methods: oneDNN-prepacked weights (same math as F.linear), weight-only int8 and w8a8."""
 
 from __future__ import annotations
 
@@ -130,6 +130,21 @@ def test_int8_method_computes_the_dequantized_matmul(rows):
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method_cls", [Int8LinearMethod, W8A8LinearMethod])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_int8_methods_run_in_bf16_and_compute_their_reference(method_cls, rows):
+    layer, weight, bias = layer_with(method_cls(), dtype=torch.bfloat16)  # the bias is bf16 too
+    q, scale = quantize_int8(weight.float())
+    x = torch.randn(rows, 40).bfloat16()
+    twin = tandem_kernels.reference.int8_linear if method_cls is Int8LinearMethod else tandem_kernels.reference.w8a8_linear
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, twin(x, q, scale, bias), atol=1e-2, rtol=2 ** -7)
+    assert layer.weight.numel() == 0  # the plain copy was freed
+    if method_cls is W8A8LinearMethod and tandem_kernels.cpu.w8a8_vnni_available():
+        assert layer.w8a8_packed is not None and not hasattr(layer, "int8_weight")  # one copy: packed
+
+
 def test_method_choice():
     cpu = torch.device("cpu")
     assert isinstance(linear_method_for(cpu, torch.float32, None), OneDnnLinearMethod)
@@ -142,6 +157,8 @@ def test_method_choice():
     assert type(linear_method_for(cpu, torch.bfloat16, None)) is bf16
     assert type(linear_method_for(cpu, torch.float32, "int8")) is Int8LinearMethod
     assert type(linear_method_for(cpu, torch.float32, "w8a8")) is W8A8LinearMethod
+    assert type(linear_method_for(cpu, torch.bfloat16, "int8")) is Int8LinearMethod
+    assert type(linear_method_for(cpu, torch.bfloat16, "w8a8")) is W8A8LinearMethod
     assert type(linear_method_for(torch.device("meta"), torch.float32, None)).__name__ == "LinearMethod"
 
 
@@ -149,6 +166,22 @@ def test_bad_quantization_settings_are_refused():
     with pytest.raises(InvalidRequestError, match="quantization must be one of int8") as info:
         EngineConfig(quantization="awq")
     assert info.value.param == "quantization"
+
+
+def test_quantization_takes_the_dtype_it_would_have_without_it(tiny_checkpoint):
+    from backend.models.resolve import resolve_config
+    from backend.types.config import cpu_has_native_bf16
+
+    model = str(tiny_checkpoint("llama"))
+    for quantization in ("int8", "w8a8"):
+        auto = resolve_config(EngineConfig(model=model, quantization=quantization, device="cpu"))
+        assert auto.torch_dtype_name == ("bfloat16" if cpu_has_native_bf16() else "float32")
+        for dtype in ("float32", "bfloat16"):
+            config = resolve_config(EngineConfig(model=model, quantization=quantization, device="cpu", dtype=dtype))
+            assert config.torch_dtype_name == dtype
+        with pytest.raises(InvalidRequestError, match="float32 or bfloat16") as info:
+            resolve_config(EngineConfig(model=model, quantization=quantization, device="cpu", dtype="float16"))
+        assert info.value.param == "quantization"
 
 
 def dequantized_copy(model_dir, out_dir):
@@ -177,16 +210,27 @@ def test_int8_engine_equals_hf_on_the_dequantized_weights(tiny_checkpoint, tmp_p
     assert linears and all(m.int8_weight.dtype == torch.int8 for m in linears)  # the LM head too
 
 
-def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoint):
-    engine = make_engine(tiny_checkpoint("llama"), quantization="w8a8")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoint, dtype):
+    engine = make_engine(tiny_checkpoint("qwen2"), quantization="w8a8", dtype=dtype)  # qwen2: q, k, v biases
     prompts = random_prompts([3, 17, 40], 384)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     batched = run_engine(engine, prompts, params)
     assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
-    layer = next(m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "int8_weight"))
-    x = torch.randn(3, layer.int8_weight.shape[1])
-    torch.testing.assert_close(layer(x), tandem_kernels.reference.w8a8_linear(x, layer.int8_weight, layer.weight_scale, None),
-                               atol=1e-5, rtol=1e-5)
+    runner = engine.executor.worker.runner
+    assert all(cache.dtype == getattr(torch, dtype) for kv in runner.kv_caches for cache in kv)
+    linears = [m for m in runner.model.modules() if hasattr(m, "weight_scale")]
+    assert linears and all(isinstance(m.linear_method, W8A8LinearMethod) for m in linears)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_w8a8_method_computes_the_reference(rows, dtype):
+    layer, weight, bias = layer_with(W8A8LinearMethod(), in_features=100, out_features=40, dtype=dtype)
+    q, scale = quantize_int8(weight.float())
+    x = (torch.randn(rows, 100) * 3).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(layer(x), tandem_kernels.reference.w8a8_linear(x, q, scale, bias), **tol)
 
 
 @needs_amx

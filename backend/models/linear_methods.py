@@ -10,15 +10,20 @@
                               faster than oneDNN's (which runs on AMX too), prompts' 0.74-1.09x;
                               an MLP's gate | up with its SiLU in the epilogue (``apply_gated``)
     Int8LinearMethod          CPU, ``quantization="int8"``: weight-only int8, one symmetric scale
-                              per output channel; activations stay fp32 (kernels/tandem_kernels/cpu.py's kernel),
-                              so the result is the matmul with the dequantized weight
+                              per output channel; activations in the model's dtype (fp32 or
+                              bf16), summed in fp32: the matmul with the dequantized weight
+                              (tandem_kernels.reference.int8_linear). Fast at batch 1 (half of
+                              bf16's bytes); at many rows its fp32 multiply-adds are 2-5x slower
+                              than bf16's matmul (the int8 -> float conversions and half the
+                              multiply-adds per instruction of bf16's dot products)
     W8A8LinearMethod          CPU, ``quantization="w8a8"``: the same int8 weights; activations
                               quantized per row and 32-wide block on the fly, products summed
-                              exactly in int32 (tandem_kernels.reference.w8a8_linear). At batch 1 the
-                              int8 -> float conversions bound the int8 kernel; integer dot
-                              products do not convert, and run near the memory bandwidth (the
-                              matmuls 1.6x faster). With AVX-512 VNNI (vpdpbusd) a prompt's
-                              matmuls also run ~2x faster than on AVX2 (bench/README.md).
+                              exactly in int32 (tandem_kernels.reference.w8a8_linear), results in
+                              the model's dtype. With AVX-512 VNNI the weight is packed once into
+                              16-column panels (csrc/w8a8_vnni.cpp: one vpdpbusd lane per output
+                              column), and the matmuls run faster than bf16's at every row count
+                              measured (1-128: ~3x at batch 1, ~1.5x at 32 and more on an AMD
+                              EPYC without AMX); elsewhere the plain weight, AVX2's kernel.
                               Approximate: no float model computes the same.
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
@@ -106,9 +111,20 @@ class Int8LinearMethod(LinearMethod):
 
 
 class W8A8LinearMethod(Int8LinearMethod):
+    """With AVX-512 VNNI the layer keeps only the packed weight (``w8a8_packed``), else the plain
+    ``int8_weight``; both give ``tandem_kernels.reference.w8a8_linear``'s result."""
     name = "w8a8"
 
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        super().process_weights_after_loading(layer)
+        layer.w8a8_packed = None
+        if tandem_kernels.cpu.w8a8_vnni_available():
+            layer.w8a8_packed = tandem_kernels.cpu.w8a8_pack_weight(layer.int8_weight)
+            del layer.int8_weight
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if layer.w8a8_packed is not None:
+            return tandem_kernels.cpu.w8a8_linear_packed(x, layer.w8a8_packed, layer.weight_scale, bias)
         return tandem_kernels.cpu.w8a8_linear(x, layer.int8_weight, layer.weight_scale, bias)
 
 

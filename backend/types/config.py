@@ -69,9 +69,11 @@ FIELD_HELP = {
                                     "ray once this process joined Ray or the GPUs are not all on "
                                     "this machine; else mp)",
     "download_dir": "where fetched and converted models live (default: $TANDEM_CACHE or ~/.cache/tandem)",
-    "quantization": "int8 weights on the CPU: int8 (weight-only, float32 activations: the matmul "
-                    "with the dequantized weights) or w8a8 (activations also quantized, per 32-wide "
-                    "block: a ~1.3x faster decode step at batch 1, approximate) (default: the checkpoint's precision)",
+    "quantization": "int8 weights on the CPU, activations and KV cache in --dtype (float32 or bfloat16; "
+                    "auto as without quantization): int8 (weight-only: the matmul with the dequantized "
+                    "weights; faster than bf16 at batch 1, slower at large batches) or w8a8 (activations "
+                    "also quantized, per 32-wide block; approximate; with AVX-512 VNNI faster than bf16 "
+                    "at every batch size) (default: the checkpoint's precision)",
     "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
                       "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
                       "in the same memory, half the bytes attention reads); approximate; CPU only",
@@ -197,7 +199,8 @@ class EngineConfig:
     # None: chosen as vLLM does (see executor_backend).
     distributed_executor_backend: Optional[str] = None
     download_dir: Optional[str] = None  # where fetched and converted models live
-    # Weight quantization: None (the checkpoint's precision), "int8" (weight-only) or "w8a8" (CPU).
+    # Weight quantization: None (the checkpoint's precision), "int8" (weight-only) or "w8a8" (CPU;
+    # activations in float32 or bfloat16).
     quantization: Optional[str] = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}

@@ -211,7 +211,8 @@ def apply_penalties(logits, rows, prompt_seen, output_counts, slots, repetition,
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] float32 @ (weight [N, K] int8 * scale [N])^T + bias -> [M, N] float32."""
+    """kernels.reference.int8_linear: x [M, K] float32 or bf16 @ (weight [N, K] int8 * scale [N])^T
+    + bias -> [M, N] in x's dtype (summed in float32, rounded once)."""
     return torch.ops.tandem_cpu.int8_linear(x, weight, scale, bias)
 
 
@@ -246,6 +247,25 @@ def amx_gated_linear(x: torch.Tensor, packed: torch.Tensor, d: int) -> torch.Ten
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """kernels.reference.w8a8_linear: x [M, K] float32 quantized per row and 32-wide block, times
-    (weight [N, K] int8 * scale [N])^T, + bias -> [M, N] float32."""
+    """kernels.reference.w8a8_linear: x [M, K] float32 or bf16 quantized per row and 32-wide block,
+    times (weight [N, K] int8 * scale [N])^T, + bias -> [M, N] in x's dtype. The portable kernel
+    (AVX2 or plain C++); with AVX-512 VNNI ``w8a8_linear_packed`` is the fast one."""
     return torch.ops.tandem_cpu.w8a8_linear(x, weight, scale, bias)
+
+
+def w8a8_vnni_available() -> bool:
+    """Whether ``w8a8_linear_packed`` runs here: the kernels are loaded and built for AVX-512 VNNI."""
+    return available() and torch.ops.tandem_cpu.w8a8_vnni_available()
+
+
+def w8a8_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] int8 -> uint8 [ceil(N / 16), ceil(K / 32) * 512], the panels
+    ``w8a8_linear_packed`` reads (csrc/w8a8_vnni.cpp)."""
+    return torch.ops.tandem_cpu.w8a8_pack_weight(weight)
+
+
+def w8a8_linear_packed(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``w8a8_linear(x, weight, scale, bias)`` with packed = ``w8a8_pack_weight(weight)``: the
+    reference's math on AVX-512 VNNI (one vpdpbusd lane per output column), batch-invariant."""
+    return torch.ops.tandem_cpu.w8a8_linear_packed(x, packed, scale, bias)

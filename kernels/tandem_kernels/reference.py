@@ -133,14 +133,25 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch
     logits.index_copy_(0, rows, sub)
 
 
-# ---- KV cache ---------------------------------------------------------------------
+# ---- int8 linears ------------------------------------------------------------------
 
 ACTIVATION_BLOCK = 32  # w8a8: activations share one int8 scale per row and 32-wide block along K
 
 
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32 or bf16, weight [N, K] int8, scale [N], bias [N] or None -> [M, N] in x's
+    dtype: the float32 sum of x times the int8 weight, times the weight's scale, plus the bias,
+    rounded once to x's dtype (bf16 x int8 products are exact in float32)."""
+    out = x.float() @ weight.float().t() * scale.float()
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
 def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (q [M, K] int8, scale [M, ceil(K / 32)] float32): per row and block of
-    ``ACTIVATION_BLOCK``, s = max|x| / 127 and q = round(x / s) (half to even; 0 where s = 0)."""
+    """x [M, K] float32 or bf16 -> (q [M, K] int8, scale [M, ceil(K / 32)] float32): per row and
+    block of ``ACTIVATION_BLOCK``, s = max|x| / 127 and q = round(x / s) (half to even; 0 where
+    s = 0), computed in float32 (bf16 -> float32 is exact)."""
+    x = x.float()
     m, k = x.shape
     blocks = -(-k // ACTIVATION_BLOCK)
     padded = F.pad(x, (0, blocks * ACTIVATION_BLOCK - k)).view(m, blocks, ACTIVATION_BLOCK)
@@ -151,9 +162,9 @@ def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] float32, weight [N, K] int8, scale [N], bias [N] or None -> [M, N] float32:
-    x quantized by ``quantize_activation_blocks``; each block's products summed exactly, times
-    its activation scale, summed over blocks, times the weight's scale, plus the bias."""
+    """x [M, K] float32 or bf16, weight [N, K] int8, scale [N], bias [N] or None -> [M, N] in x's
+    dtype: x quantized by ``quantize_activation_blocks``; each block's products summed exactly,
+    times its activation scale, summed over blocks, times the weight's scale, plus the bias."""
     m, k = x.shape
     q, x_scale = quantize_activation_blocks(x)
     blocks = x_scale.shape[1]
@@ -162,8 +173,10 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     wb = F.pad(weight.long(), (0, pad)).view(-1, blocks, ACTIVATION_BLOCK)  # [N, B, 32]
     dots = torch.einsum("mbk,nbk->mnb", qb, wb)  # [M, N, B], exact integers
     out = (dots.double() * x_scale.double().unsqueeze(1)).sum(dim=2) * scale.double()
-    return (out if bias is None else out + bias.double()).float()
+    return (out if bias is None else out + bias.double()).float().to(x.dtype)
 
+
+# ---- KV cache ---------------------------------------------------------------------
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
     """The shape of one layer's K (or V) cache: the one definition of the layout."""

@@ -9,7 +9,9 @@
 //       attention_portable.h     its 8-lane kernel (any target)
 //       attention_avx512*.h      its AVX-512 kernel and tiles
 //     elementwise.cpp          RMS norms, rotary embedding, SiLU-and-mul, greedy argmax
-//     int8_linear.cpp          int8 weights with float activations, and w8a8
+//     int8_linear.cpp          int8 weights with float activations, and w8a8 (portable)
+//       int8_args.h              their argument checks
+//     w8a8_vnni.cpp            w8a8 on AVX-512 VNNI, on a packed weight
 //     amx_linear.cpp           bf16 linears on AMX tiles
 //     penalties.cpp            repetition / frequency / presence penalties from token tables
 //     ops.h                    every op's C++ signature; registration.cpp: their schemas
