@@ -34,10 +34,11 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.prompts import document  # noqa: E402
 
 
-def make_prompts(num: int, prompt_len: int, tokenizer=None) -> list[str]:
-    """num distinct prompts of about prompt_len tokens (exactly, when a tokenizer is given)."""
+def make_prompts(num: int, prompt_len: int, tokenizer=None, start: int = 0) -> list[str]:
+    """num distinct prompts of about prompt_len tokens (exactly, when a tokenizer is given):
+    documents start .. start + num - 1."""
     prompts = []
-    for i in range(num):
+    for i in range(start, start + num):
         text = document(i, 3 * prompt_len // 20 + 4)
         if tokenizer is not None:
             text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:prompt_len])
