@@ -10,6 +10,7 @@
 //       attention_avx512*.h      its AVX-512 kernel and tiles
 //     elementwise.cpp          RMS norms, rotary embedding, SiLU-and-mul, greedy argmax
 //     int8_linear.cpp          int8 weights with float activations, and w8a8
+//     int4_linear.cpp          4-bit weights in 32-wide groups (GGUF Q4_0 / Q4_1), float or bf16 activations
 //     amx_linear.cpp           bf16 linears on AMX tiles
 //     ops.h                    every op's C++ signature; registration.cpp: their schemas
 // Each .cpp compiles on its own (in parallel) and all link into one library.

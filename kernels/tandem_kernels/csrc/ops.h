@@ -1,6 +1,7 @@
 // Every op's C++ signature, for registration.cpp (which gives each its schema) and for the op
 // families that call one another (attention_block runs rotary_embedding). Contracts are at each
-// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, amx_linear.cpp.
+// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, int4_linear.cpp,
+// amx_linear.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,6 +34,9 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                    const c10::optional<Tensor>& bias);
 Tensor w8a8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                    const c10::optional<Tensor>& bias);
+
+// int4_linear.cpp
+Tensor int4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias);
 
 // amx_linear.cpp
 bool amx_available();

@@ -20,6 +20,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("attention_block(Tensor(a!) qkv, Tensor? positions, Tensor? cos_sin_cache, bool is_neox, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
@@ -40,6 +41,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("attention_block", &attention_block);
   m.impl("int8_linear", &int8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("int4_linear", &int4_linear);
   m.impl("amx_pack_weight", &amx_pack_weight);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_gated_linear", &amx_gated_linear);

@@ -1,0 +1,228 @@
+// int4_linear: 4-bit weights in 32-wide groups along K, float32 or bf16 activations.
+//
+// The weight layout holds GGUF's Q4_0 and Q4_1 blocks exactly (tandem_kernels.reference.int4_*):
+//     qweight [N, K / 2] uint8   group g of row n is bytes [16 g, 16 g + 16): byte i holds element
+//                                32 g + i in its low nibble and 32 g + 16 + i in its high one
+//                                (GGUF's own order inside a block)
+//     scales  [N, K / 32, 2] fp16 (d, m) per row and group
+//     w[n, 32 g + i] = d * q + m, in fp32: d * q is exact (11 + 4 significant bits), so the value is
+//     the one rounding of d * q + m, fused or not: Q4_1's d * q + m, and Q4_0's d * (q - 8) with m = -8 d.
+//
+// Every output is sum_k x[m, k] * w[n, k] in fp32, 16 lanes at a time over K, the lanes summed in a
+// fixed tree, plus the bias, rounded once to x's dtype. The order depends on K only, never on M: at
+// most kRegisterRows rows dequantize each weight group in registers; more rows dequantize a panel
+// of kPanelRows weight rows once into a float buffer (in cache) and run the same products over all
+// of them, so a prompt does not pay the dequantization M times, and its rows get decode's bits.
+//
+// With AVX-512 the products are fused multiply-adds; elsewhere (e.g. AVX2) the same loops in GCC's
+// 16-lane vectors multiply and add apart: the two builds agree with the reference, not bit for bit.
+
+#include "ops.h"
+#include "simd.h"
+
+namespace tandem {
+namespace {
+
+constexpr int64_t kGroup = 32;        // weights per (d, m) pair along K
+constexpr int64_t kGroupBytes = 16;   // two nibbles a byte
+constexpr int64_t kRegisterRows = 4;  // up to this many rows: dequantize in registers
+constexpr int64_t kPanelRows = 16;    // weight rows dequantized together for more rows of x
+constexpr int64_t kTileCols = 4;      // weight rows per tile
+constexpr int64_t kPrefetchTiles = 1; // tiles of packed rows asked for ahead (decode)
+
+using vu8x16 = uint8_t __attribute__((vector_size(16)));
+
+inline vf16 fma16(vf16 a, vf16 b, vf16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
+inline float hsum16(vf16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s[16];
+  std::memcpy(s, &v, sizeof s);
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = s[i] + s[i + 8];
+  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+#endif
+}
+
+inline float half_bits_to_float(uint16_t bits) {
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+inline vf16 splat16(float x) { return vf16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32).
+inline void dequant_group(const uint8_t* q, const uint16_t* dm, vf16& lo, vf16& hi) {
+#if defined(__AVX512F__)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  uint32_t pair;
+  std::memcpy(&pair, dm, sizeof pair);
+  const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
+  const __m512 d = _mm512_broadcastss_ps(dm4), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm4));
+  lo = reinterpret_cast<vf16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d, m));
+  hi = reinterpret_cast<vf16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m));
+#else
+  vu8x16 bytes;
+  std::memcpy(&bytes, q, sizeof bytes);
+  const vi16 wide = __builtin_convertvector(bytes, vi16);
+  const vf16 d = splat16(half_bits_to_float(dm[0])), m = splat16(half_bits_to_float(dm[1]));
+  lo = __builtin_convertvector(wide & 15, vf16) * d + m;
+  hi = __builtin_convertvector(wide >> 4, vf16) * d + m;
+#endif
+}
+
+// The weights, packed: row n's group g dequantized in registers.
+struct PackedWeights {
+  const uint8_t* q;    // [N, K / 2]
+  const uint16_t* dm;  // [N, G, 2] fp16 bits
+  int64_t groups;
+  void group(int64_t n, int64_t g, vf16& lo, vf16& hi) const {
+    dequant_group(q + (n * groups + g) * kGroupBytes, dm + (n * groups + g) * 2, lo, hi);
+  }
+};
+
+// A panel of rows already dequantized: row n (counted from the panel's first, n_first) at w[n * K].
+struct FloatPanel {
+  const float* w;
+  int64_t n_first, k_size;
+  void group(int64_t n, int64_t g, vf16& lo, vf16& hi) const {
+    lo = load16f(w + (n - n_first) * k_size + g * kGroup);
+    hi = load16f(w + (n - n_first) * k_size + g * kGroup + 16);
+  }
+};
+
+template <typename T>
+inline T round_out(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return static_cast<T>(v);  // c10's round to nearest even
+}
+
+// out[m, n] for m in [m0, m0 + MT), n in [n0, n0 + NT).
+template <int MT, int NT, typename T, typename W>
+inline void int4_tile(T* out, int64_t n_size, const T* x, int64_t x_stride, const W& w, int64_t groups,
+                      const float* bias, int64_t m0, int64_t n0) {
+  vf16 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = vf16{};
+  for (int64_t g = 0; g < groups; ++g) {
+    vf16 lo[NT], hi[NT];
+    for (int j = 0; j < NT; ++j) w.group(n0 + j, g, lo[j], hi[j]);
+    for (int i = 0; i < MT; ++i) {
+      const T* xr = x + (m0 + i) * x_stride + g * kGroup;
+      const vf16 xlo = load16f(xr), xhi = load16f(xr + 16);
+      for (int j = 0; j < NT; ++j) acc[i][j] = fma16(hi[j], xhi, fma16(lo[j], xlo, acc[i][j]));
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j)
+      out[(m0 + i) * n_size + n0 + j] = round_out<T>(hsum16(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f));
+}
+
+// Rows [m0, m0 + mt) (mt <= 4) against weight rows [n0, n0 + NT).
+template <int NT, typename T, typename W>
+inline void int4_rows(T* out, int64_t n_size, const T* x, int64_t x_stride, const W& w, int64_t groups,
+                      const float* bias, int64_t m0, int64_t mt, int64_t n0) {
+  switch (mt) {
+    case 4: int4_tile<4, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+    case 3: int4_tile<3, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+    case 2: int4_tile<2, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+    default: int4_tile<1, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+  }
+}
+
+// Weight rows [n0, n1) against rows [m0, m0 + mt): tiles of kTileCols, then single rows.
+template <typename T, typename W>
+inline void int4_columns(T* out, int64_t n_size, const T* x, int64_t x_stride, const W& w, int64_t groups,
+                         const float* bias, int64_t m0, int64_t mt, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kTileCols <= n1; n += kTileCols)
+    int4_rows<kTileCols>(out, n_size, x, x_stride, w, groups, bias, m0, mt, n);
+  for (; n < n1; ++n) int4_rows<1>(out, n_size, x, x_stride, w, groups, bias, m0, mt, n);
+}
+
+template <typename T>
+void int4_linear_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size,
+                      const PackedWeights& w, int64_t n_size, const float* bias) {
+  const int64_t groups = k_size / kGroup;
+  if (m_size <= kRegisterRows) {  // decode: every weight group dequantized once, in registers
+    const int64_t row_bytes = groups * kGroupBytes;
+    at::parallel_for(0, (n_size + kTileCols - 1) / kTileCols, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * kTileCols, n1 = std::min(n_size, n0 + kTileCols);
+        const int64_t ahead = n1 + (kPrefetchTiles - 1) * kTileCols;
+        for (int64_t n = ahead; n < std::min(n_size, ahead + kTileCols); ++n) {
+          prefetch_run(w.q + n * row_bytes, row_bytes);
+          prefetch_run(w.dm + n * groups * 2, groups * 2);
+        }
+        int4_columns(out, n_size, x, x_stride, w, groups, bias, 0, m_size, n0, n1);
+      }
+    });
+    return;
+  }
+  // More rows: each thread dequantizes a panel of weight rows into its buffer, then runs every
+  // row of x against it, 4 rows at a time (each row's 4 x 16 products share its loads).
+  at::parallel_for(0, (n_size + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(kPanelRows * k_size);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanelRows, n1 = std::min(n_size, n0 + kPanelRows);
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t g = 0; g < groups; ++g) {
+          vf16 lo, hi;
+          w.group(n, g, lo, hi);
+          store16(buf.data() + (n - n0) * k_size + g * kGroup, lo);
+          store16(buf.data() + (n - n0) * k_size + g * kGroup + 16, hi);
+        }
+      const FloatPanel panel{buf.data(), n0, k_size};
+      for (int64_t m0 = 0; m0 < m_size; m0 += kRegisterRows)
+        int4_columns(out, n_size, x, x_stride, panel, groups, bias, m0, std::min(kRegisterRows, m_size - m0), n0, n1);
+    }
+  });
+}
+
+}  // namespace
+
+// out [M, N] (x's dtype) = x [M, K] (float32 or bf16, rows contiguous) @ dequant(qweight, scales)^T
+// + bias [N] (any float dtype, or none); qweight [N, K / 2] uint8 and scales [N, K / 32, 2] fp16 as above.
+Tensor int4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.stride(1) == 1, "int4_linear: x must be float32 or bfloat16 [M, K] with contiguous rows");
+  const int64_t m_size = x.size(0), k_size = x.size(1);
+  TORCH_CHECK(k_size % kGroup == 0, "int4_linear: K (", k_size, ") must be a multiple of 32");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+              qweight.size(1) * 2 == k_size, "int4_linear: qweight must be contiguous uint8 [N, K / 2]");
+  const int64_t n_size = qweight.size(0);
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              scales.size(0) == n_size && scales.size(1) == k_size / kGroup && scales.size(2) == 2,
+              "int4_linear: scales must be contiguous float16 [N, K / 32, 2]");
+  Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n_size, "int4_linear: bias must have N elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  Tensor out = at::empty({m_size, n_size}, x.options());
+  if (m_size == 0 || n_size == 0) return out;
+  const PackedWeights w{qweight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                        k_size / kGroup};
+  if (x.scalar_type() == at::kFloat)
+    int4_linear_impl(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), m_size, k_size, w, n_size, b);
+  else
+    int4_linear_impl(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.stride(0), m_size, k_size, w,
+                     n_size, b);
+  return out;
+}
+
+}  // namespace tandem
