@@ -79,7 +79,8 @@ def test_int4_linear_takes_strided_rows_and_refuses_bad_shapes():
     gen = torch.Generator().manual_seed(3)
     qweight, scales = random_int4(7, 64, gen)
     x = torch.randn(6, 80, generator=gen)[:, 8:72]  # rows not contiguous with each other
-    assert torch.equal(cpu.int4_linear(x, qweight, scales, None), cpu.int4_linear(x.contiguous(), qweight, scales, None))
+    assert torch.equal(cpu.int4_linear(x, qweight, scales, None),
+                       cpu.int4_linear(x.contiguous(), qweight, scales, None))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu.int4_linear(torch.randn(2, 48), qweight, scales, None)
     with pytest.raises(RuntimeError, match="qweight"):

@@ -51,13 +51,15 @@ def _resolve_device_and_dtype(config: EngineConfig) -> None:
         raise InvalidRequestError("device='cuda' was asked for but no CUDA device is visible.", param="device")
     if config.dtype != "auto":
         config.torch_dtype_name = config.dtype
-    elif config.quantization is None and (config.device_type == "cuda" or cpu_has_native_bf16()):
+    elif config.quantization in (None, "int4") and (config.device_type == "cuda" or cpu_has_native_bf16()):
         config.torch_dtype_name = "bfloat16"
     else:
         config.torch_dtype_name = "float32"
-    if config.quantization is not None and (config.device_type != "cpu" or config.torch_dtype_name != "float32"):
+    activation_dtypes = ("float32", "bfloat16") if config.quantization == "int4" else ("float32",)
+    if config.quantization is not None and (config.device_type != "cpu"
+                                            or config.torch_dtype_name not in activation_dtypes):
         raise InvalidRequestError(
-            f"quantization={config.quantization!r} is implemented for the CPU with float32 "
+            f"quantization={config.quantization!r} is implemented for the CPU with {' or '.join(activation_dtypes)} "
             f"activations; got device {config.device_type}, dtype {config.torch_dtype_name}.",
             param="quantization")
     if config.kv_cache_dtype != "auto" and config.device_type != "cpu":
