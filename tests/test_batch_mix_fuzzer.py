@@ -27,8 +27,9 @@ from backend.types.config import EngineConfig
 
 FUZZ_BATCHES_CI = 320
 # name -> its share of FUZZ_BATCHES_CI
-CI_SHARE = {"fp32-eager-ngram-tight": 100, "fp32-graphs": 60, "fp32-graphs-async-tight": 40,
-            "bf16-graphs-ngram": 40, "bf16-eager-no-prefix-cache": 40, "fp16-eager-fp8-kv": 40}
+CI_SHARE = {"fp32-eager-ngram-tight": 80, "fp32-graphs": 40, "fp32-graphs-async-tight": 40,
+            "bf16-graphs-ngram": 40, "bf16-eager-no-prefix-cache": 40, "fp16-eager-fp8-kv": 40,
+            "bf16-int4-graphs": 40}
 MAX_MODEL_LEN = 64
 EOS = 2  # the tiny tokenizer's <|im_end|>: a random model samples it now and then
 
@@ -52,6 +53,9 @@ ENGINES = {
                                         max_num_batched_tokens=40, enable_prefix_caching=False), False),
     "fp16-eager-fp8-kv": (dict(dtype="float16", enforce_eager=True, kv_cache_dtype="fp8", num_kv_blocks=64,
                                max_num_seqs=6, max_num_batched_tokens=32), False),
+    # int4 weights: the kernel's sums do not depend on the batch, so neither do the results.
+    "bf16-int4-graphs": (dict(dtype="bfloat16", quantization="int4", enforce_eager=False, num_kv_blocks=48,
+                              max_num_seqs=8, max_num_batched_tokens=32), True),
 }
 
 
