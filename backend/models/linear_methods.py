@@ -25,6 +25,9 @@
                               a weight; backend/models/int4_weights.py); fp32 or bf16 activations
                               (kernels/tandem_kernels/csrc/int4_linear.cpp): the matmul with the
                               dequantized weight in fp32, rounded once to the activations' dtype
+    GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
+                              packed for the int4 kernel (backend/models/gguf_packed.py); every
+                              other layer runs its dequantized weight with the dtype's method
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
 own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
@@ -132,6 +135,35 @@ class Int4LinearMethod(LinearMethod):
         return tandem_kernels.cpu.int4_linear(x, layer.int4_weight, layer.int4_scales, bias)
 
 
+class GgufLinearMethod(Int4LinearMethod):
+    name = "gguf"
+
+    def __init__(self, unpacked: LinearMethod) -> None:
+        self.unpacked = unpacked  # for the layers the file does not hold as Q4_0 / Q4_1
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        packed = getattr(layer, "gguf_int4", None)
+        if packed is None:
+            self.unpacked.process_weights_after_loading(layer)
+            return
+        if not tandem_kernels.cpu.available():
+            raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
+                               f"{tandem_kernels.cpu.unavailable_reason()}")
+        layer.int4_weight, layer.int4_scales = packed
+        del layer.gguf_int4
+        release_weight(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if hasattr(layer, "int4_weight"):
+            return super().apply(layer, x, bias)
+        return self.unpacked.apply(layer, x, bias)
+
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if hasattr(layer, "int4_weight"):
+            return super().apply_gated(layer, x, bias)
+        return self.unpacked.apply_gated(layer, x, bias)
+
+
 QUANTIZED_METHODS = {"int8": Int8LinearMethod, "w8a8": W8A8LinearMethod, "int4": Int4LinearMethod}
 
 
@@ -160,6 +192,8 @@ def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Op
     if quantization is not None:
         if device.type != "cpu" or not tandem_kernels.cpu.available():
             raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only")
+        if quantization == "gguf":
+            return GgufLinearMethod(linear_method_for(device, dtype, None))
         return QUANTIZED_METHODS[quantization]()
     if device.type == "cpu" and dtype == torch.bfloat16 and tandem_kernels.cpu.amx_available():
         return AmxLinearMethod()
