@@ -8,6 +8,10 @@ fresh subprocess, so no run inherits another's threads or memory.
     python bench/offline_throughput.py                      # default model, 64 x 128
     python bench/offline_throughput.py --hf-batch-sizes 32,64 --hf-dtypes bfloat16
     python bench/offline_throughput.py --executor mp --skip-hf   # the mp executor's IPC cost vs uni
+    python bench/offline_throughput.py --quantization int4 --skip-hf --num-prompts 32
+
+``--quantization int4`` (or any list) adds a run of the same engine with those weights next to the
+plain one and prints their ratio (e.g. bf16 against int4 weights at the same batch).
 
 ``--executor mp`` adds a run with one worker process (TP=1) next to the in-process ``uni`` run
 and prints their ratio: what the per-step messages to a worker process cost.
@@ -51,6 +55,8 @@ def bench_tandem(model, prompts, output_len: int, executor: str = "uni", **engin
     assert num_tokens == len(prompts) * output_len
     llm.shutdown()
     name = "tandem" if executor == "uni" else f"tandem-{executor}"
+    if engine_kwargs.get("quantization"):
+        name += f"-{engine_kwargs['quantization']}"
     return {"name": name, "dtype": llm.engine.engine.config.torch_dtype_name,
             "seconds": elapsed, "tokens": num_tokens, "tok_per_s": num_tokens / elapsed}
 
@@ -83,9 +89,10 @@ def run_one(args: argparse.Namespace) -> dict:
 
     config = resolve_config(EngineConfig(model=args.model))
     prompts = make_prompts(load_tokenizer(str(config.tokenizer_path)), args.num_prompts, args.prompt_len)
-    if args.run.startswith("tandem"):
-        executor = args.run.partition(":")[2] or "uni"
-        return bench_tandem(args.model, prompts, args.output_len, executor, dtype=args.dtype)
+    if args.run.startswith("tandem"):  # tandem[:EXECUTOR[:QUANTIZATION]]
+        _, executor, quantization = (args.run.split(":") + ["", ""])[:3]
+        return bench_tandem(args.model, prompts, args.output_len, executor or "uni", dtype=args.dtype,
+                            quantization=quantization or None)
     _, batch_size, dtype = args.run.split(":")
     return bench_hf(config.model_path, prompts, args.output_len, int(batch_size), dtype)
 
@@ -102,6 +109,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="Tandem's dtype")
     parser.add_argument("--executor", default="uni",
                         help="Tandem's executors to run, comma-separated; uni always runs (default: uni)")
+    parser.add_argument("--quantization", default="",
+                        help="comma-separated: also run Tandem with each of these --quantization settings")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one measurement, JSON on stdout
     args = parser.parse_args()
@@ -111,6 +120,7 @@ def main() -> None:
         return
 
     runs = ["tandem"] + [f"tandem:{e}" for e in args.executor.split(",") if e and e != "uni"]
+    runs += [f"tandem:uni:{q}" for q in args.quantization.split(",") if q]
     num_tandem = len(runs)
     if not args.skip_hf:
         runs += [f"hf:{bs}:{dtype}" for dtype in args.hf_dtypes.split(",")
@@ -129,11 +139,11 @@ def main() -> None:
               file=sys.stderr)
 
     print(f"\n{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} output tokens each")
-    print(f"{'engine':<12} {'dtype':<10} {'seconds':>8} {'output tok/s':>13}")
+    print(f"{'engine':<14} {'dtype':<10} {'seconds':>8} {'output tok/s':>13}")
     for r in results:
-        print(f"{r['name']:<12} {r['dtype']:<10} {r['seconds']:>8.1f} {r['tok_per_s']:>13.1f}")
+        print(f"{r['name']:<14} {r['dtype']:<10} {r['seconds']:>8.1f} {r['tok_per_s']:>13.1f}")
     for r in results[1:num_tandem]:
-        print(f"\n{r['name']} / tandem (uni): {r['tok_per_s'] / results[0]['tok_per_s']:.3f}x")
+        print(f"\n{r['name']} / tandem: {r['tok_per_s'] / results[0]['tok_per_s']:.3f}x")
     if len(results) > num_tandem:
         best_hf = max(results[num_tandem:], key=lambda r: r["tok_per_s"])
         ratio = results[0]["tok_per_s"] / best_hf["tok_per_s"]
