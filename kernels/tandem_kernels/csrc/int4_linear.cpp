@@ -32,26 +32,34 @@ constexpr int64_t kPrefetchTiles = 1; // tiles of packed rows asked for ahead (d
 
 using vu8x16 = uint8_t __attribute__((vector_size(16)));
 
-inline vf16 fma16(vf16 a, vf16 b, vf16 c) {
+// 16 floats: an AVX-512 register where the target has one (intrinsics: GCC keeps __m512
+// accumulators in registers, where with its generic vectors it stored each after every update),
+// else GCC's 16-lane vectors (two AVX2 registers), multiplied and added apart.
 #if defined(__AVX512F__)
-  return reinterpret_cast<vf16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
-                                                reinterpret_cast<__m512>(c)));
-#else
-  return a * b + c;
-#endif
+using v16 = __m512;
+inline v16 zero16() { return _mm512_setzero_ps(); }
+inline v16 fma16(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline v16 load_x16(const float* p) { return _mm512_loadu_ps(p); }
+inline v16 load_x16(const c10::BFloat16* p) {  // bf16 -> float is exact: the bits, 16 places up
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-
-inline float hsum16(vf16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+inline void store_x16(float* p, v16 v) { _mm512_storeu_ps(p, v); }
+inline float hsum16(v16 v) { return _mm512_reduce_add_ps(v); }
 #else
+using v16 = vf16;
+inline v16 zero16() { return vf16{}; }
+inline v16 fma16(v16 a, v16 b, v16 c) { return a * b + c; }
+template <typename T>
+inline v16 load_x16(const T* p) { return load16f(p); }
+inline void store_x16(float* p, v16 v) { store16(p, v); }
+inline float hsum16(v16 v) {
   float s[16];
   std::memcpy(s, &v, sizeof s);
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = s[i] + s[i + 8];
   return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
-#endif
 }
+#endif
 
 inline float half_bits_to_float(uint16_t bits) {
 #if defined(__F16C__)
@@ -61,23 +69,22 @@ inline float half_bits_to_float(uint16_t bits) {
 #endif
 }
 
-inline vf16 splat16(float x) { return vf16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
 // One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32).
-inline void dequant_group(const uint8_t* q, const uint16_t* dm, vf16& lo, vf16& hi) {
+inline void dequant_group(const uint8_t* q, const uint16_t* dm, v16& lo, v16& hi) {
 #if defined(__AVX512F__)
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   uint32_t pair;
   std::memcpy(&pair, dm, sizeof pair);
   const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
   const __m512 d = _mm512_broadcastss_ps(dm4), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm4));
-  lo = reinterpret_cast<vf16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d, m));
-  hi = reinterpret_cast<vf16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m));
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d, m);
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 #else
   vu8x16 bytes;
   std::memcpy(&bytes, q, sizeof bytes);
   const vi16 wide = __builtin_convertvector(bytes, vi16);
-  const vf16 d = splat16(half_bits_to_float(dm[0])), m = splat16(half_bits_to_float(dm[1]));
+  const float df = half_bits_to_float(dm[0]), mf = half_bits_to_float(dm[1]);
+  const vf16 d = vf16{} + df, m = vf16{} + mf;
   lo = __builtin_convertvector(wide & 15, vf16) * d + m;
   hi = __builtin_convertvector(wide >> 4, vf16) * d + m;
 #endif
@@ -88,7 +95,7 @@ struct PackedWeights {
   const uint8_t* q;    // [N, K / 2]
   const uint16_t* dm;  // [N, G, 2] fp16 bits
   int64_t groups;
-  void group(int64_t n, int64_t g, vf16& lo, vf16& hi) const {
+  void group(int64_t n, int64_t g, v16& lo, v16& hi) const {
     dequant_group(q + (n * groups + g) * kGroupBytes, dm + (n * groups + g) * 2, lo, hi);
   }
 };
@@ -97,9 +104,9 @@ struct PackedWeights {
 struct FloatPanel {
   const float* w;
   int64_t n_first, k_size;
-  void group(int64_t n, int64_t g, vf16& lo, vf16& hi) const {
-    lo = load16f(w + (n - n_first) * k_size + g * kGroup);
-    hi = load16f(w + (n - n_first) * k_size + g * kGroup + 16);
+  void group(int64_t n, int64_t g, v16& lo, v16& hi) const {
+    lo = load_x16(w + (n - n_first) * k_size + g * kGroup);
+    hi = load_x16(w + (n - n_first) * k_size + g * kGroup + 16);
   }
 };
 
@@ -109,19 +116,20 @@ inline T round_out(float v) {
   else return static_cast<T>(v);  // c10's round to nearest even
 }
 
-// out[m, n] for m in [m0, m0 + MT), n in [n0, n0 + NT).
+// out[m, n] for m in [m0, m0 + MT), n in [n0, n0 + NT). Not inlined: inside the panel loop GCC
+// stored every accumulator after each update (a store per 2 multiply-adds, 1.6x slower).
 template <int MT, int NT, typename T, typename W>
-inline void int4_tile(T* out, int64_t n_size, const T* x, int64_t x_stride, const W& w, int64_t groups,
+__attribute__((noinline)) void int4_tile(T* out, int64_t n_size, const T* x, int64_t x_stride, const W& w, int64_t groups,
                       const float* bias, int64_t m0, int64_t n0) {
-  vf16 acc[MT][NT];
+  v16 acc[MT][NT];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = vf16{};
+    for (int j = 0; j < NT; ++j) acc[i][j] = zero16();
   for (int64_t g = 0; g < groups; ++g) {
-    vf16 lo[NT], hi[NT];
+    v16 lo[NT], hi[NT];
     for (int j = 0; j < NT; ++j) w.group(n0 + j, g, lo[j], hi[j]);
     for (int i = 0; i < MT; ++i) {
       const T* xr = x + (m0 + i) * x_stride + g * kGroup;
-      const vf16 xlo = load16f(xr), xhi = load16f(xr + 16);
+      const v16 xlo = load_x16(xr), xhi = load_x16(xr + 16);
       for (int j = 0; j < NT; ++j) acc[i][j] = fma16(hi[j], xhi, fma16(lo[j], xlo, acc[i][j]));
     }
   }
@@ -179,10 +187,10 @@ void int4_linear_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int6
       const int64_t n0 = p * kPanelRows, n1 = std::min(n_size, n0 + kPanelRows);
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t g = 0; g < groups; ++g) {
-          vf16 lo, hi;
+          v16 lo, hi;
           w.group(n, g, lo, hi);
-          store16(buf.data() + (n - n0) * k_size + g * kGroup, lo);
-          store16(buf.data() + (n - n0) * k_size + g * kGroup + 16, hi);
+          store_x16(buf.data() + (n - n0) * k_size + g * kGroup, lo);
+          store_x16(buf.data() + (n - n0) * k_size + g * kGroup + 16, hi);
         }
       const FloatPanel panel{buf.data(), n0, k_size};
       for (int64_t m0 = 0; m0 < m_size; m0 += kRegisterRows)
