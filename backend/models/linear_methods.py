@@ -24,7 +24,8 @@
                               and 32-wide group, asymmetric (GGUF Q4_1's form: fp16 d and m, 5 bits
                               a weight; backend/models/int4_weights.py); fp32 or bf16 activations
                               (kernels/tandem_kernels/csrc/int4_linear.cpp): the matmul with the
-                              dequantized weight in fp32, rounded once to the activations' dtype
+                              dequantized weight (rounded to bf16 for bf16 activations: exact
+                              products, vdpbf16ps where the CPU has it), summed in fp32, rounded once
     GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
                               packed for the int4 kernel (backend/models/gguf_packed.py); every
                               other layer runs its dequantized weight with the dtype's method

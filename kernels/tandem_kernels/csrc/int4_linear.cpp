@@ -9,7 +9,9 @@
 //     the one rounding of d * q + m, fused or not: Q4_1's d * q + m, and Q4_0's d * (q - 8) with m = -8 d.
 //
 // Every output is sum_k x[m, k] * w[n, k] in fp32, 16 lanes at a time over K, the lanes summed in a
-// fixed tree, plus the bias, rounded once to x's dtype. The order depends on K only, never on M: at
+// fixed tree, plus the bias, rounded once to x's dtype. With bf16 x the weights are rounded to bf16
+// first (the model with dequantized weights in the serving dtype), so every product is exact;
+// where the CPU has AVX512_BF16, vdpbf16ps sums them (twice the products an instruction of fp32 FMAs). The order depends on K only, never on M: at
 // most kRegisterRows rows dequantize each weight group in registers; more rows dequantize a panel
 // of kPanelRows weight rows once into a float buffer (in cache) and run the same products over all
 // of them, so a prompt does not pay the dequantization M times, and its rows get decode's bits.
@@ -90,6 +92,29 @@ inline void dequant_group(const uint8_t* q, const uint16_t* dm, v16& lo, v16& hi
 #endif
 }
 
+// v's floats rounded to bf16 (to nearest even; the weights are finite), as floats.
+inline v16 round_bf16(v16 v) {
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#else
+  return round16<c10::BFloat16>(v);
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// bf16 activations take vdpbf16ps: each lane adds the exact products of a pair of neighbouring
+// elements to its fp32 sum, 32 products an instruction (fp32 FMAs: 16).
+constexpr bool kBf16Dot = true;
+using vbh = __m512bh;
+inline vbh to_bf16_pairs(v16 lo, v16 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }  // elements 0..31 in order
+inline vbh load_bf16_pairs(const void* p) { return reinterpret_cast<vbh>(_mm512_loadu_si512(p)); }
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 // The weights, packed: row n's group g dequantized in registers.
 struct PackedWeights {
   const uint8_t* q;    // [N, K / 2]
@@ -98,6 +123,13 @@ struct PackedWeights {
   void group(int64_t n, int64_t g, v16& lo, v16& hi) const {
     dequant_group(q + (n * groups + g) * kGroupBytes, dm + (n * groups + g) * 2, lo, hi);
   }
+#if defined(__AVX512BF16__)
+  vbh group_bf16(int64_t n, int64_t g) const {
+    v16 lo, hi;
+    group(n, g, lo, hi);
+    return to_bf16_pairs(lo, hi);
+  }
+#endif
 };
 
 // A panel of rows already dequantized: row n (counted from the panel's first, n_first) at w[n * K].
@@ -109,6 +141,37 @@ struct FloatPanel {
     hi = load_x16(w + (n - n_first) * k_size + g * kGroup + 16);
   }
 };
+
+#if defined(__AVX512BF16__)
+// A panel dequantized and rounded to bf16, for the dot-product tiles.
+struct Bf16Panel {
+  const c10::BFloat16* w;
+  int64_t n_first, k_size;
+  vbh group_bf16(int64_t n, int64_t g) const { return load_bf16_pairs(w + (n - n_first) * k_size + g * kGroup); }
+};
+
+// int4_tile's contract for bf16 x with vdpbf16ps: each output is the fp32 sum of the exact
+// products x * bf16(w), in an order that depends on K only.
+template <int MT, int NT, typename W>
+__attribute__((noinline)) void int4_tile_dot(c10::BFloat16* out, int64_t n_size, const c10::BFloat16* x, int64_t x_stride,
+                                             const W& w, int64_t groups, const float* bias, int64_t m0, int64_t n0) {
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    vbh wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = w.group_bf16(n0 + j, g);
+    for (int i = 0; i < MT; ++i) {
+      const vbh xv = load_bf16_pairs(x + (m0 + i) * x_stride + g * kGroup);
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j)
+      out[(m0 + i) * n_size + n0 + j] =
+          static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f));
+}
+#endif
 
 template <typename T>
 inline T round_out(float v) {
@@ -126,7 +189,13 @@ __attribute__((noinline)) void int4_tile(T* out, int64_t n_size, const T* x, int
     for (int j = 0; j < NT; ++j) acc[i][j] = zero16();
   for (int64_t g = 0; g < groups; ++g) {
     v16 lo[NT], hi[NT];
-    for (int j = 0; j < NT; ++j) w.group(n0 + j, g, lo[j], hi[j]);
+    for (int j = 0; j < NT; ++j) {
+      w.group(n0 + j, g, lo[j], hi[j]);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // bf16 x: the weights in bf16 too (exact products)
+        lo[j] = round_bf16(lo[j]);
+        hi[j] = round_bf16(hi[j]);
+      }
+    }
     for (int i = 0; i < MT; ++i) {
       const T* xr = x + (m0 + i) * x_stride + g * kGroup;
       const v16 xlo = load_x16(xr), xhi = load_x16(xr + 16);
@@ -142,11 +211,23 @@ __attribute__((noinline)) void int4_tile(T* out, int64_t n_size, const T* x, int
 template <int NT, typename T, typename W>
 inline void int4_rows(T* out, int64_t n_size, const T* x, int64_t x_stride, const W& w, int64_t groups,
                       const float* bias, int64_t m0, int64_t mt, int64_t n0) {
-  switch (mt) {
-    case 4: int4_tile<4, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
-    case 3: int4_tile<3, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
-    case 2: int4_tile<2, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
-    default: int4_tile<1, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    switch (mt) {
+      case 4: int4_tile_dot<4, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+      case 3: int4_tile_dot<3, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+      case 2: int4_tile_dot<2, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+      default: int4_tile_dot<1, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+    }
+  } else  // the generic tiles
+#endif
+  {
+    switch (mt) {
+      case 4: int4_tile<4, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+      case 3: int4_tile<3, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+      case 2: int4_tile<2, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+      default: int4_tile<1, NT>(out, n_size, x, x_stride, w, groups, bias, m0, n0); break;
+    }
   }
 }
 
@@ -181,6 +262,23 @@ void int4_linear_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int6
   }
   // More rows: each thread dequantizes a panel of weight rows into its buffer, then runs every
   // row of x against it, 4 rows at a time (each row's 4 x 16 products share its loads).
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the panel in bf16, for the dot-product tiles
+    at::parallel_for(0, (n_size + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<c10::BFloat16> buf(kPanelRows * k_size);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanelRows, n1 = std::min(n_size, n0 + kPanelRows);
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t g = 0; g < groups; ++g)
+            _mm512_storeu_si512(buf.data() + (n - n0) * k_size + g * kGroup,
+                                reinterpret_cast<__m512i>(w.group_bf16(n, g)));
+        const Bf16Panel panel{buf.data(), n0, k_size};
+        for (int64_t m0 = 0; m0 < m_size; m0 += kRegisterRows)
+          int4_columns(out, n_size, x, x_stride, panel, groups, bias, m0, std::min(kRegisterRows, m_size - m0), n0, n1);
+      }
+    });
+  } else  // the float panel
+#endif
   at::parallel_for(0, (n_size + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(kPanelRows * k_size);
     for (int64_t p = begin; p < end; ++p) {
