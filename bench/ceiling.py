@@ -8,6 +8,7 @@ matmul engine torch offers on this device:
     F.linear      torch's default (MKL on x86 CPUs)
     onednn        oneDNN with the weight prepacked once (what Tandem uses on CPU)
     int8          weight-only int8, float activations: Tandem's --quantization int8 kernel
+    int4, int4 bf16   4-bit weights (32-wide groups), fp32 / bf16 activations: --quantization int4
     fbgemm-int8   int8 weights and activations quantized per step (fbgemm; for comparison)
     F.linear bf16, onednn bf16   only where the CPU computes bf16 natively (the engine's default
                   dtype there: onednn bf16 is what it runs without AMX)
@@ -26,6 +27,11 @@ amx"): what the step adds to its own matmuls.
     python bench/ceiling.py --engine           # also Tandem's own decode step: its ratio to the ceiling
     python bench/ceiling.py --engine --quantization int8
     python bench/ceiling.py --batch-sizes 32,64 --engine --kv-cache-dtype fp8
+    python bench/ceiling.py --shapes 2048x2048,2048x8192,2048x512,8192x2048 --batch-sizes 1,8,32,512
+
+``--shapes KxN,...`` times single weight shapes instead of a model's step: for each, the bf16,
+int8 and int4 engines in alternating rounds (the best of each), on enough copies of the weight
+(512 MB in fp32) that even int4's stream from memory, not from the last-level cache.
 
 With ``--engine`` the step and the best engine's matmuls (and the AMX kernel's) are timed in
 alternating rounds in one process (engine_against_ceiling), so the machine's drift cancels out of their ratio. It also gives
@@ -106,6 +112,11 @@ def engines(dtype_bf16: bool):
         from backend.models.linear_methods import quantize_int8
 
         out["int8"] = (quantize_int8, lambda x, qs: tandem_kernels.cpu.int8_linear(x, qs[0], qs[1], None))
+        from backend.models.int4_weights import quantize_int4
+
+        out["int4"] = (quantize_int4, lambda x, qs: tandem_kernels.cpu.int4_linear(x, qs[0], qs[1], None))
+        if dtype_bf16:
+            out["int4 bf16"] = out["int4"]
     if torch.backends.quantized.supported_engines.count("fbgemm"):
         torch.backends.quantized.engine = "fbgemm"
 
@@ -178,6 +189,41 @@ def engine_against_ceiling(model, quantization, kv_cache_dtype: str, batch: int,
             "own_ratio": median_high(own_ratios) if own_ratios else None}
 
 
+SHAPE_ENGINES = ("F.linear bf16", "onednn bf16", "int8", "int4", "int4 bf16")
+
+
+def shape_table(shapes: list[tuple[int, int]], batches: list[int], rounds: int = 3) -> list[dict]:
+    """ms per matmul of x [batch, K] and a weight [N, K], per engine of SHAPE_ENGINES here: the best
+    of ``rounds`` alternating rounds, each weight copy used in turn (512 MB of fp32 copies)."""
+    from backend.types.config import cpu_has_native_bf16
+
+    available = engines(cpu_has_native_bf16())
+    names = [n for n in SHAPE_ENGINES if n in available]
+    print(f"{torch.get_num_threads()} threads; ms per matmul (best of {rounds} alternating rounds)")
+    print(f"{'K':>5} {'N':>5} {'M':>4} " + " ".join(f"{n:>13}" for n in names))
+    results = []
+    for k, n in shapes:
+        copies = max(1, -(-512 * 2 ** 20 // (k * n * 4)))
+        weights = [torch.randn(n, k) * k ** -0.5 for _ in range(copies)]
+        states = {name: [available[name][0](w) for w in weights] for name in names}
+        del weights
+        for batch in batches:
+            x = torch.randn(batch, k)
+            best = {name: float("inf") for name in names}
+            for _ in range(rounds):
+                for name in names:
+                    run, xs, ws = available[name][1], x.bfloat16() if "bf16" in name else x, states[name]
+                    position = iter(range(10 ** 9))
+
+                    def one():
+                        run(xs, ws[next(position) % copies])
+                    best[name] = min(best[name], best_time(one, 1, 0.3))
+            results.append({"k": k, "n": n, "m": batch, "ms": {name: t * 1e3 for name, t in best.items()}})
+            print(f"{k:>5} {n:>5} {batch:>4} " + " ".join(f"{best[name] * 1e3:>13.3f}" for name in names), flush=True)
+        del states
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -186,8 +232,16 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="the engine's --quantization (with --engine)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (with --engine)")
     parser.add_argument("--context", type=int, default=200, help="tokens cached per sequence (with --engine)")
+    parser.add_argument("--shapes", help="KxN,...: time these weight shapes instead of a model's step")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    if args.shapes:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+        table = shape_table(shapes, [int(b) for b in args.batch_sizes.split(",")])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(table, f, indent=2)
+        return
 
     import warnings
 
@@ -226,7 +280,7 @@ def main() -> None:
 
             row[name] = best_time(step, 3, 1.0)
             del states
-        best = min((n for n in row if "int8" not in n and n != OWN_AMX), key=row.get)
+        best = min((n for n in row if "int8" not in n and "int4" not in n and n != OWN_AMX), key=row.get)
         int8 = batch / row["int8"] if "int8" in row else float("nan")
         results["steps"].append({"batch": batch, "ms": {k: v * 1e3 for k, v in row.items()}, "best": best,
                                  "ceiling_tok_s": batch / row[best], "ceiling_int8_tok_s": int8})
@@ -262,7 +316,8 @@ def main() -> None:
             return step
 
         for step in results["steps"]:
-            name = "int8" if args.quantization == "int8" else step["best"]
+            quantized = {"int8": "int8", "int4": "int4 bf16" if config.torch_dtype_name == "bfloat16" else "int4"}
+            name = quantized.get(args.quantization, step["best"])
             found = engine_against_ceiling(args.model, args.quantization, args.kv_cache_dtype, step["batch"],
                                            args.context, matmul_step(name, step["batch"]),
                                            matmul_step(own, step["batch"]) if own else None)

@@ -27,9 +27,9 @@ from backend.types.config import EngineConfig
 
 FUZZ_BATCHES_CI = 350
 # name -> its share of FUZZ_BATCHES_CI
-CI_SHARE = {"fp32-eager-ngram-tight": 100, "fp32-graphs": 60, "fp32-graphs-async-tight": 40,
+CI_SHARE = {"fp32-eager-ngram-tight": 80, "fp32-graphs": 40, "fp32-graphs-async-tight": 40,
             "bf16-graphs-ngram": 40, "bf16-eager-no-prefix-cache": 40, "fp16-eager-fp8-kv": 40,
-            "bf16-w8a8-graphs-ngram": 30}
+            "bf16-w8a8-graphs-ngram": 30, "bf16-int4-graphs": 40}
 MAX_MODEL_LEN = 64
 EOS = 2  # the tiny tokenizer's <|im_end|>: a random model samples it now and then
 
@@ -58,6 +58,9 @@ ENGINES = {
                                     max_num_seqs=8, max_num_batched_tokens=32,
                                     speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                         "prompt_lookup_max": 3}), True),
+    # int4 weights: the kernel's sums do not depend on the batch, so neither do the results.
+    "bf16-int4-graphs": (dict(dtype="bfloat16", quantization="int4", enforce_eager=False, num_kv_blocks=48,
+                              max_num_seqs=8, max_num_batched_tokens=32), True),
 }
 
 

@@ -15,8 +15,9 @@ from test_kernels_cpu import needs_amx
 import tandem_kernels.cpu
 import tandem_kernels.reference
 from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
-from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int8LinearMethod, OneDnnLinearMethod,
-                                           W8A8LinearMethod, linear_method_for, quantize_int8)
+from backend.models.int4_weights import quantize_int4
+from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int4LinearMethod, Int8LinearMethod,
+                                           OneDnnLinearMethod, W8A8LinearMethod, linear_method_for, quantize_int8)
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import SamplingParams
@@ -159,6 +160,7 @@ def test_method_choice():
     assert type(linear_method_for(cpu, torch.float32, "w8a8")) is W8A8LinearMethod
     assert type(linear_method_for(cpu, torch.bfloat16, "int8")) is Int8LinearMethod
     assert type(linear_method_for(cpu, torch.bfloat16, "w8a8")) is W8A8LinearMethod
+    assert type(linear_method_for(cpu, torch.bfloat16, "int4")) is Int4LinearMethod
     assert type(linear_method_for(torch.device("meta"), torch.float32, None)).__name__ == "LinearMethod"
 
 
@@ -184,14 +186,23 @@ def test_quantization_takes_the_dtype_it_would_have_without_it(tiny_checkpoint):
         assert info.value.param == "quantization"
 
 
-def dequantized_copy(model_dir, out_dir):
-    """The checkpoint with every linear weight (LM head included) replaced by what int8 keeps."""
+def int8_dequantized(weight):
+    q, scale = quantize_int8(weight.float())
+    return q.float() * scale.unsqueeze(1)
+
+
+def int4_dequantized(weight):
+    return tandem_kernels.reference.int4_dequantize(*quantize_int4(weight))
+
+
+def dequantized_copy(model_dir, out_dir, dequantized=int8_dequantized):
+    """The checkpoint with every linear weight (LM head included) replaced by what the quantization
+    keeps (``dequantized(weight)``)."""
     model = T.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                q, scale = quantize_int8(module.weight.float())
-                module.weight.copy_(q.float() * scale.unsqueeze(1))
+                module.weight.copy_(dequantized(module.weight.float()))
     model.save_pretrained(str(out_dir))
     for f in model_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
@@ -231,6 +242,54 @@ def test_w8a8_method_computes_the_reference(rows, dtype):
     x = (torch.randn(rows, 100) * 3).to(dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
     torch.testing.assert_close(layer(x), tandem_kernels.reference.w8a8_linear(x, q, scale, bias), **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_int4_method_computes_the_dequantized_matmul(rows):
+    layer, weight, bias = layer_with(Int4LinearMethod(), in_features=64)
+    x = torch.randn(rows, 64)
+    expected = torch.nn.functional.linear(x, int4_dequantized(weight), bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    assert layer.weight.numel() == 0 and layer.int4_weight.dtype == torch.uint8
+
+
+def hf_prompt_logprobs(model_dir, prompt):
+    """HF fp32's log-probability of each prompt token after the ones before it (none for the first)."""
+    hf = T.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0]  # [len, vocab]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+
+
+# fp32: the same math as HF on the dequantized weights (sums in another order); bf16 activations
+# round each op's output to 8 significant bits: the tiny model's logprobs (~-6) moved by up to 0.021.
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_int4_engine_computes_hf_on_the_dequantized_weights_and_is_batch_invariant(
+        tiny_checkpoint, tmp_path, dtype, tolerance):
+    model_dir = tiny_checkpoint("llama")  # untied embeddings: the LM head is a linear of its own
+    dequantized = dequantized_copy(model_dir, tmp_path / "dequantized", int4_dequantized)
+    prompts = random_prompts([3, 17, 40], 384)
+    engine = make_engine(model_dir, quantization="int4", dtype=dtype)
+    linears = [m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "linear_method")]
+    assert linears and all(isinstance(m.linear_method, Int4LinearMethod) for m in linears)  # the LM head too
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    batched = run_engine(engine, prompts, params)
+    assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
+    if dtype == "float32":
+        assert batched == hf_greedy(dequantized, prompts, 12)
+    prompt = prompts[2]
+    engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    got = next(o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None)
+    got = torch.tensor([position[token].logprob for position, token in zip(got[1:], prompt[1:])])
+    torch.testing.assert_close(got, hf_prompt_logprobs(dequantized, prompt), atol=tolerance, rtol=0)
+
+
+def test_int4_refuses_float16_activations(tiny_checkpoint):
+    with pytest.raises(InvalidRequestError, match="float32 or bfloat16 activations"):
+        make_engine(tiny_checkpoint("llama"), quantization="int4", dtype="float16")
 
 
 @needs_amx

@@ -10,6 +10,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -190,8 +191,11 @@ def test_unreadable_config_is_a_model_error(tmp_path, config_text):
 # --- GGUF ----------------------------------------------------------------------------------------
 
 
-def write_tiny_llama_gguf(path: Path) -> dict[str, np.ndarray]:
-    """A random fp32 llama GGUF with a byte-level tokenizer and a chat template; its tensors."""
+def write_tiny_llama_gguf(path: Path, types: Optional[Callable[[str], Optional[str]]] = None,
+                          untied: bool = False) -> dict[str, np.ndarray]:
+    """A random llama GGUF with a byte-level tokenizer and a chat template; its tensors (before any
+    quantization). Tensors are fp32 unless ``types(name)`` names a GGML type (e.g. "Q4_0") to
+    quantize them to; ``untied``: with an output.weight (else the LM head is the embedding)."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -220,7 +224,9 @@ def write_tiny_llama_gguf(path: Path) -> dict[str, np.ndarray]:
 
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": (TINY_VOCAB, hidden), "output_norm.weight": (hidden,)}
-    for i in range(layers):  # no output.weight: the embedding is tied to the LM head
+    if untied:
+        shapes["output.weight"] = (TINY_VOCAB, hidden)
+    for i in range(layers):
         shapes.update({
             f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
             f"blk.{i}.attn_q.weight": (hidden, hidden),
@@ -231,7 +237,12 @@ def write_tiny_llama_gguf(path: Path) -> dict[str, np.ndarray]:
             f"blk.{i}.ffn_down.weight": (hidden, ffn)})
     tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     for name, array in tensors.items():
-        writer.add_tensor(name, array)
+        kind = types(name) if types else None
+        if kind is None:
+            writer.add_tensor(name, array)
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -25,6 +25,15 @@
                               measured (1-128: ~3x at batch 1, ~1.5x at 32 and more on an AMD
                               EPYC without AMX); elsewhere the plain weight, AVX2's kernel.
                               Approximate: no float model computes the same.
+    Int4LinearMethod          CPU, ``quantization="int4"``: 4-bit weights, round to nearest per row
+                              and 32-wide group, asymmetric (GGUF Q4_1's form: fp16 d and m, 5 bits
+                              a weight; backend/models/int4_weights.py); fp32 or bf16 activations
+                              (kernels/tandem_kernels/csrc/int4_linear.cpp): the matmul with the
+                              dequantized weight (rounded to bf16 for bf16 activations: exact
+                              products, vdpbf16ps where the CPU has it), summed in fp32, rounded once
+    GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
+                              packed for the int4 kernel (backend/models/gguf_packed.py); every
+                              other layer runs its dequantized weight with the dtype's method
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
 own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
@@ -45,6 +54,7 @@ from typing import Optional
 import torch
 
 import tandem_kernels.cpu
+from backend.models.int4_weights import quantize_int4
 from backend.models.linear import LinearBase, LinearMethod
 
 
@@ -128,6 +138,52 @@ class W8A8LinearMethod(Int8LinearMethod):
         return tandem_kernels.cpu.w8a8_linear(x, layer.int8_weight, layer.weight_scale, bias)
 
 
+class Int4LinearMethod(LinearMethod):
+    name = "int4"
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if not tandem_kernels.cpu.available():
+            raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
+                               f"{tandem_kernels.cpu.unavailable_reason()}")
+        layer.int4_weight, layer.int4_scales = quantize_int4(layer.weight.detach())
+        release_weight(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return tandem_kernels.cpu.int4_linear(x, layer.int4_weight, layer.int4_scales, bias)
+
+
+class GgufLinearMethod(Int4LinearMethod):
+    name = "gguf"
+
+    def __init__(self, unpacked: LinearMethod) -> None:
+        self.unpacked = unpacked  # for the layers the file does not hold as Q4_0 / Q4_1
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        packed = getattr(layer, "gguf_int4", None)
+        if packed is None:
+            self.unpacked.process_weights_after_loading(layer)
+            return
+        if not tandem_kernels.cpu.available():
+            raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
+                               f"{tandem_kernels.cpu.unavailable_reason()}")
+        layer.int4_weight, layer.int4_scales = packed
+        del layer.gguf_int4
+        release_weight(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if hasattr(layer, "int4_weight"):
+            return super().apply(layer, x, bias)
+        return self.unpacked.apply(layer, x, bias)
+
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if hasattr(layer, "int4_weight"):
+            return super().apply_gated(layer, x, bias)
+        return self.unpacked.apply_gated(layer, x, bias)
+
+
+QUANTIZED_METHODS = {"int8": Int8LinearMethod, "w8a8": W8A8LinearMethod, "int4": Int4LinearMethod}
+
+
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     """Bound oneDNN's primitive cache and ideep's LRU cache, unless the environment already does;
     takes effect only before the process's first oneDNN call."""
@@ -153,7 +209,9 @@ def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Op
     if quantization is not None:
         if device.type != "cpu" or not tandem_kernels.cpu.available():
             raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only")
-        return W8A8LinearMethod() if quantization == "w8a8" else Int8LinearMethod()
+        if quantization == "gguf":
+            return GgufLinearMethod(linear_method_for(device, dtype, None))
+        return QUANTIZED_METHODS[quantization]()
     if device.type == "cpu" and dtype == torch.bfloat16 and tandem_kernels.cpu.amx_available():
         return AmxLinearMethod()
     if device.type == "cpu" and torch.backends.mkldnn.is_available() and (

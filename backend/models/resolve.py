@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from backend.models.gguf_packed import MODEL_TYPES
 from backend.models.loader import PlainModelConfig, load_hf_config, resolve_model, resolve_tokenizer
 from backend.models.registry import parallel_size_problem
 from backend.types.config import EngineConfig, cpu_has_native_bf16
@@ -25,6 +26,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         config.served_model_name = config.model or "SmolLM2-135M-Instruct"
     config.hf_config = load_hf_config(config.model_path)
     _resolve_device_and_dtype(config)
+    _check_gguf_quantization(config)
     _resolve_max_model_len(config)
     _check_parallel_sizes(config)
     if config.enable_chunked_prefill is False and config.max_num_batched_tokens < config.max_model_len:
@@ -65,6 +67,21 @@ def _resolve_device_and_dtype(config: EngineConfig) -> None:
         raise InvalidRequestError(
             f"kv_cache_dtype={config.kv_cache_dtype!r} is implemented for the CPU; the GPU's "
             "attention kernels read caches in the model's dtype only.", param="kv_cache_dtype")
+
+
+def _check_gguf_quantization(config: EngineConfig) -> None:
+    """quantization="gguf" reads the packed tensors of the .gguf file model= names, whole (one worker)."""
+    if config.quantization != "gguf":
+        return
+    if not (config.model or "").lower().endswith(".gguf"):
+        raise InvalidRequestError(f"quantization='gguf' serves a .gguf file's packed weights; model={config.model!r} "
+                                  "is not one.", param="quantization")
+    if config.tensor_parallel_size != 1:
+        raise InvalidRequestError("quantization='gguf' runs on one worker (tensor_parallel_size=1).",
+                                  param="quantization")
+    if config.hf_config.model_type not in MODEL_TYPES:
+        raise InvalidRequestError(f"quantization='gguf' serves Llama-family GGUF files ({', '.join(MODEL_TYPES)}); "
+                                  f"this one is {config.hf_config.model_type!r}.", param="quantization")
 
 
 def _check_parallel_sizes(config: EngineConfig) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -19,6 +20,7 @@ from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.late_grammar import resolve_grammar
 from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from backend.models.attention import Attention, AttentionMetadata
+from backend.models.gguf_packed import attach_packed_weights
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
@@ -85,6 +87,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iter_weights(self.config.model_path))
+        if self.config.quantization == "gguf":  # the file's Q4 tensors, packed, beside the dequantized ones
+            attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config)
         method = linear_method_for(self.device, self.dtype, self.config.quantization)
         for module in model.modules():
             if isinstance(module, LinearBase):

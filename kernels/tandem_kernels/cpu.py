@@ -216,6 +216,13 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return torch.ops.tandem_cpu.int8_linear(x, weight, scale, bias)
 
 
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32/bf16 @ reference.int4_dequantize(qweight [N, K / 2] uint8, scales
+    [N, K / 32, 2] fp16)^T + bias -> [M, N] in x's dtype; K a multiple of 32."""
+    return torch.ops.tandem_cpu.int4_linear(x, qweight, scales, bias)
+
+
 def amx_available() -> bool:
     """Whether ``amx_linear`` runs here: the kernels are loaded, built for a CPU with AMX, and
     Linux granted this process the tile registers."""

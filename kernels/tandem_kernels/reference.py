@@ -133,7 +133,7 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch
     logits.index_copy_(0, rows, sub)
 
 
-# ---- int8 linears ------------------------------------------------------------------
+# ---- quantized linears ------------------------------------------------------------
 
 ACTIVATION_BLOCK = 32  # w8a8: activations share one int8 scale per row and 32-wide block along K
 
@@ -174,6 +174,34 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     dots = torch.einsum("mbk,nbk->mnb", qb, wb)  # [M, N, B], exact integers
     out = (dots.double() * x_scale.double().unsqueeze(1)).sum(dim=2) * scale.double()
     return (out if bias is None else out + bias.double()).float().to(x.dtype)
+
+
+INT4_GROUP = 32  # int4 weights: one (d, m) pair per row and 32-wide group along K
+
+
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """qweight [N, K / 2] uint8, scales [N, K / 32, 2] float16 -> weight [N, K] float32.
+    Group g of row n is bytes [16 g, 16 g + 16): byte i holds element 32 g + i in its low nibble and
+    32 g + 16 + i in its high one (GGUF's Q4_0 / Q4_1 block order); scales holds (d, m) and the
+    weight is d * q + m in fp32 (d * q is exact, so one rounding): GGUF's Q4_1 exactly, and its
+    Q4_0, d * (q - 8), with m = -8 d."""
+    n = qweight.shape[0]
+    q = qweight.view(n, -1, INT4_GROUP // 2)  # [N, G, 16]
+    nibbles = torch.cat([q & 15, q >> 4], dim=2).float()  # [N, G, 32]
+    s = scales.float()  # [N, G, 2]
+    return (nibbles * s[..., :1] + s[..., 1:]).view(n, -1)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32 or bf16 @ int4_dequantize(qweight, scales)^T + bias -> [M, N] in x's dtype:
+    the products and sums in fp32, rounded once. With bf16 x the dequantized weights are rounded to
+    bf16 first (the model with its dequantized weights in bf16), so every product is exact."""
+    weight = int4_dequantize(qweight, scales)
+    if x.dtype == torch.bfloat16:
+        weight = weight.bfloat16().float()
+    out = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 # ---- KV cache ---------------------------------------------------------------------

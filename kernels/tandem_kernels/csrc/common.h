@@ -12,6 +12,7 @@
 //     int8_linear.cpp          int8 weights with float activations, and w8a8 (portable)
 //       int8_args.h              their argument checks
 //     w8a8_vnni.cpp            w8a8 on AVX-512 VNNI, on a packed weight
+//     int4_linear.cpp          4-bit weights in 32-wide groups (GGUF Q4_0 / Q4_1), float or bf16 activations
 //     amx_linear.cpp           bf16 linears on AMX tiles
 //     penalties.cpp            repetition / frequency / presence penalties from token tables
 //     ops.h                    every op's C++ signature; registration.cpp: their schemas

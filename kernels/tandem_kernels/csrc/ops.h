@@ -1,7 +1,7 @@
 // Every op's C++ signature, for registration.cpp (which gives each its schema) and for the op
 // families that call one another (attention_block runs rotary_embedding). Contracts are at each
-// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, w8a8_vnni.cpp, amx_linear.cpp,
-// penalties.cpp.
+// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, w8a8_vnni.cpp, int4_linear.cpp,
+// amx_linear.cpp, penalties.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -44,6 +44,8 @@ bool w8a8_vnni_available();
 Tensor w8a8_pack_weight(const Tensor& weight);
 Tensor w8a8_linear_packed(const Tensor& x, const Tensor& packed, const Tensor& scale,
                           const c10::optional<Tensor>& bias);
+// int4_linear.cpp
+Tensor int4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias);
 
 // amx_linear.cpp
 bool amx_available();

@@ -23,6 +23,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("w8a8_vnni_available() -> bool", &w8a8_vnni_available);  // no tensors: one kernel for every key
   m.def("w8a8_pack_weight(Tensor weight) -> Tensor");
   m.def("w8a8_linear_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("attention_block(Tensor(a!) qkv, Tensor? positions, Tensor? cos_sin_cache, bool is_neox, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
@@ -48,6 +49,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("apply_penalties", &apply_penalties);
   m.impl("w8a8_pack_weight", &w8a8_pack_weight);
   m.impl("w8a8_linear_packed", &w8a8_linear_packed);
+  m.impl("int4_linear", &int4_linear);
   m.impl("amx_pack_weight", &amx_pack_weight);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_gated_linear", &amx_gated_linear);
