@@ -1,6 +1,7 @@
 // Every op's C++ signature, for registration.cpp (which gives each its schema) and for the op
 // families that call one another (attention_block runs rotary_embedding). Contracts are at each
-// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, w8a8_vnni.cpp, amx_linear.cpp.
+// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, int8_bf16.cpp, w8a8_vnni.cpp,
+// amx_linear.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,6 +34,12 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                    const c10::optional<Tensor>& bias);
 Tensor w8a8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                    const c10::optional<Tensor>& bias);
+
+// int8_bf16.cpp
+bool int8_bf16_available();
+Tensor int8_pack_weight_bf16(const Tensor& weight);
+Tensor int8_linear_packed(const Tensor& x, const Tensor& packed, const Tensor& scale,
+                          const c10::optional<Tensor>& bias);
 
 // w8a8_vnni.cpp
 bool w8a8_vnni_available();
