@@ -303,6 +303,29 @@ def test_w8a8_linear_equals_its_reference(m, k, n):
         assert torch.equal(cpu.w8a8_linear(x[i:i + 1], weight, scale, None)[0], whole[i])
 
 
+needs_bf16_dot = pytest.mark.skipif(not cpu.int8_bf16_available(), reason="needs a CPU with AVX-512 BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m, k, n", INT8_SHAPES + [(6, 97, 20)])  # an odd K: x ends mid-pair
+def test_int8_packed_equals_its_reference_and_rows_do_not_depend_on_their_batch(m, k, n):
+    x, weight, scale, bias = int8_case(m, k, n, seed=12)
+    x = x.bfloat16()
+    packed = cpu.int8_pack_weight_bf16(weight)
+    assert packed.shape == (-(-n // 16), -(-k // 2) * 32)  # 16-column panels of k pairs
+    for b in (bias, bias.bfloat16(), None):
+        got = cpu.int8_linear_packed(x, packed, scale, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got, reference.int8_linear(x, weight, scale, b), atol=1e-2, rtol=2 ** -7)
+    whole = cpu.int8_linear_packed(x, packed, scale, None)
+    for i in range(m):  # 6-row tiles and their tails sum alike
+        assert torch.equal(cpu.int8_linear_packed(x[i:i + 1], packed, scale, None)[0], whole[i])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu.int8_linear_packed(x.float(), packed, scale, None)
+    with pytest.raises(RuntimeError, match="int8_pack_weight_bf16 of"):
+        cpu.int8_linear_packed(x[:, :-2], packed, scale, None)
+
+
 needs_vnni = pytest.mark.skipif(not cpu.w8a8_vnni_available(), reason="needs a CPU with AVX-512 VNNI")
 
 

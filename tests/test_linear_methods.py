@@ -142,8 +142,11 @@ def test_int8_methods_run_in_bf16_and_compute_their_reference(method_cls, rows):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, twin(x, q, scale, bias), atol=1e-2, rtol=2 ** -7)
     assert layer.weight.numel() == 0  # the plain copy was freed
-    if method_cls is W8A8LinearMethod and tandem_kernels.cpu.w8a8_vnni_available():
-        assert layer.w8a8_packed is not None and not hasattr(layer, "int8_weight")  # one copy: packed
+    packed = (tandem_kernels.cpu.w8a8_vnni_available() if method_cls is W8A8LinearMethod
+              else tandem_kernels.cpu.int8_bf16_available())
+    if packed:  # one copy of the weight: the packed one
+        assert not hasattr(layer, "int8_weight")
+        assert (layer.w8a8_packed if method_cls is W8A8LinearMethod else layer.int8_packed) is not None
 
 
 def test_method_choice():
@@ -221,9 +224,9 @@ def test_int8_engine_equals_hf_on_the_dequantized_weights(tiny_checkpoint, tmp_p
     assert linears and all(m.int8_weight.dtype == torch.int8 for m in linears)  # the LM head too
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoint, dtype):
-    engine = make_engine(tiny_checkpoint("qwen2"), quantization="w8a8", dtype=dtype)  # qwen2: q, k, v biases
+@pytest.mark.parametrize("quantization, dtype", [("w8a8", "float32"), ("w8a8", "bfloat16"), ("int8", "bfloat16")])
+def test_quantized_engine_is_batch_invariant_in_its_dtype(tiny_checkpoint, quantization, dtype):
+    engine = make_engine(tiny_checkpoint("qwen2"), quantization=quantization, dtype=dtype)  # qwen2: q, k, v biases
     prompts = random_prompts([3, 17, 40], 384)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     batched = run_engine(engine, prompts, params)
@@ -231,7 +234,8 @@ def test_w8a8_engine_is_batch_invariant_and_computes_the_reference(tiny_checkpoi
     runner = engine.executor.worker.runner
     assert all(cache.dtype == getattr(torch, dtype) for kv in runner.kv_caches for cache in kv)
     linears = [m for m in runner.model.modules() if hasattr(m, "weight_scale")]
-    assert linears and all(isinstance(m.linear_method, W8A8LinearMethod) for m in linears)
+    method = W8A8LinearMethod if quantization == "w8a8" else Int8LinearMethod
+    assert linears and all(type(m.linear_method) is method for m in linears)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,10 +12,11 @@
     Int8LinearMethod          CPU, ``quantization="int8"``: weight-only int8, one symmetric scale
                               per output channel; activations in the model's dtype (fp32 or
                               bf16), summed in fp32: the matmul with the dequantized weight
-                              (tandem_kernels.reference.int8_linear). Fast at batch 1 (half of
-                              bf16's bytes); at many rows its fp32 multiply-adds are 2-5x slower
-                              than bf16's matmul (the int8 -> float conversions and half the
-                              multiply-adds per instruction of bf16's dot products)
+                              (tandem_kernels.reference.int8_linear). In bf16 with AVX-512 BF16
+                              the weight is packed once into 16-column panels, converted to bf16
+                              a panel pair at a time in cache, and multiplied with vdpbf16ps
+                              (csrc/int8_bf16.cpp); in fp32, float multiply-adds, fast at batch
+                              1 only (2-5x slower than bf16's matmul at many rows)
     W8A8LinearMethod          CPU, ``quantization="w8a8"``: the same int8 weights; activations
                               quantized per row and 32-wide block on the fly, products summed
                               exactly in int32 (tandem_kernels.reference.w8a8_linear), results in
@@ -107,16 +108,29 @@ class AmxLinearMethod(LinearMethod):
 
 
 class Int8LinearMethod(LinearMethod):
+    """In bf16 on a CPU with AVX-512 BF16 the layer keeps only the packed weight (``int8_packed``),
+    else the plain ``int8_weight``; both give ``tandem_kernels.reference.int8_linear``'s result."""
     name = "int8"
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if not tandem_kernels.cpu.available():
             raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
                                f"{tandem_kernels.cpu.unavailable_reason()}")
+        dtype = layer.weight.dtype
         layer.int8_weight, layer.weight_scale = quantize_int8(layer.weight.detach().float())
         release_weight(layer)
+        self.pack(layer, dtype)
+
+    def pack(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        """Replace ``layer.int8_weight`` by the form this CPU's fastest kernel reads, if any."""
+        layer.int8_packed = None
+        if dtype == torch.bfloat16 and tandem_kernels.cpu.int8_bf16_available():
+            layer.int8_packed = tandem_kernels.cpu.int8_pack_weight_bf16(layer.int8_weight)
+            del layer.int8_weight
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if layer.int8_packed is not None:
+            return tandem_kernels.cpu.int8_linear_packed(x, layer.int8_packed, layer.weight_scale, bias)
         return tandem_kernels.cpu.int8_linear(x, layer.int8_weight, layer.weight_scale, bias)
 
 
@@ -125,8 +139,7 @@ class W8A8LinearMethod(Int8LinearMethod):
     ``int8_weight``; both give ``tandem_kernels.reference.w8a8_linear``'s result."""
     name = "w8a8"
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        super().process_weights_after_loading(layer)
+    def pack(self, layer: LinearBase, dtype: torch.dtype) -> None:
         layer.w8a8_packed = None
         if tandem_kernels.cpu.w8a8_vnni_available():
             layer.w8a8_packed = tandem_kernels.cpu.w8a8_pack_weight(layer.int8_weight)

@@ -71,12 +71,12 @@ FIELD_HELP = {
     "download_dir": "where fetched and converted models live (default: $TANDEM_CACHE or ~/.cache/tandem)",
     "quantization": "weights quantized on the CPU, activations and KV cache in --dtype (float32 or bfloat16; "
                     "auto as without quantization): int8 (weight-only: the matmul with the dequantized "
-                    "weights; faster than bf16 at batch 1, slower at large batches), w8a8 (activations "
-                    "also quantized, per 32-wide block; approximate; with AVX-512 VNNI faster than bf16 "
-                    "at every batch size), int4 (weight-only, 4 bits per 32-wide group with an fp16 scale "
-                    "and min, quantized at load) or gguf (model= a Llama .gguf file: its Q4_0/Q4_1 weights "
-                    "served packed by the int4 kernel, the rest dequantized) "
-                    "(default: the checkpoint's precision)",
+                    "weights; in bf16 with AVX-512 BF16 about as fast as bf16 at large batches, in float32 "
+                    "far slower), w8a8 (activations also quantized per 32-wide block, approximate; with "
+                    "AVX-512 VNNI faster than bf16 at every batch size), int4 (weight-only, 4 bits per "
+                    "32-wide group with an fp16 scale and min, quantized at load) or gguf (model= a Llama "
+                    ".gguf file: its Q4_0/Q4_1 weights served packed by the int4 kernel, the rest "
+                    "dequantized) (default: the checkpoint's precision)",
     "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
                       "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
                       "in the same memory, half the bytes attention reads); approximate; CPU only",

@@ -221,6 +221,23 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x [M, K] float32/bf16 @ reference.int4_dequantize(qweight [N, K / 2] uint8, scales
     [N, K / 32, 2] fp16)^T + bias -> [M, N] in x's dtype; K a multiple of 32."""
     return torch.ops.tandem_cpu.int4_linear(x, qweight, scales, bias)
+def int8_bf16_available() -> bool:
+    """Whether ``int8_linear_packed`` runs here: the kernels are loaded and built for AVX-512 BF16."""
+    return available() and torch.ops.tandem_cpu.int8_bf16_available()
+
+
+def int8_pack_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] int8 -> int8 [ceil(N / 16), ceil(K / 2) * 32], the panels ``int8_linear_packed``
+    reads (csrc/int8_bf16.cpp)."""
+    return torch.ops.tandem_cpu.int8_pack_weight_bf16(weight)
+
+
+def int8_linear_packed(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``int8_linear(x, weight, scale, bias)`` for x [M, K] bf16 with packed =
+    ``int8_pack_weight_bf16(weight)``: bf16 dot products (exact products, float sums, one lane per
+    output column), batch-invariant -> [M, N] bf16."""
+    return torch.ops.tandem_cpu.int8_linear_packed(x, packed, scale, bias)
 
 
 def amx_available() -> bool:

@@ -1,7 +1,7 @@
 // Every op's C++ signature, for registration.cpp (which gives each its schema) and for the op
 // families that call one another (attention_block runs rotary_embedding). Contracts are at each
-// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, w8a8_vnni.cpp, int4_linear.cpp,
-// amx_linear.cpp, penalties.cpp.
+// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, int8_bf16.cpp, w8a8_vnni.cpp,
+// int4_linear.cpp, amx_linear.cpp, penalties.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +39,12 @@ Tensor w8a8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
 void apply_penalties(Tensor logits, const Tensor& rows, const Tensor& prompt_seen, const Tensor& output_counts,
                      const Tensor& slots, const Tensor& repetition, const Tensor& frequency,
                      const Tensor& presence);
+// int8_bf16.cpp
+bool int8_bf16_available();
+Tensor int8_pack_weight_bf16(const Tensor& weight);
+Tensor int8_linear_packed(const Tensor& x, const Tensor& packed, const Tensor& scale,
+                          const c10::optional<Tensor>& bias);
+
 // w8a8_vnni.cpp
 bool w8a8_vnni_available();
 Tensor w8a8_pack_weight(const Tensor& weight);

@@ -20,6 +20,9 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int8_bf16_available() -> bool", &int8_bf16_available);  // no tensors: one kernel for every key
+  m.def("int8_pack_weight_bf16(Tensor weight) -> Tensor");
+  m.def("int8_linear_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("w8a8_vnni_available() -> bool", &w8a8_vnni_available);  // no tensors: one kernel for every key
   m.def("w8a8_pack_weight(Tensor weight) -> Tensor");
   m.def("w8a8_linear_packed(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
@@ -47,6 +50,8 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
   m.impl("apply_penalties", &apply_penalties);
+  m.impl("int8_pack_weight_bf16", &int8_pack_weight_bf16);
+  m.impl("int8_linear_packed", &int8_linear_packed);
   m.impl("w8a8_pack_weight", &w8a8_pack_weight);
   m.impl("w8a8_linear_packed", &w8a8_linear_packed);
   m.impl("int4_linear", &int4_linear);
