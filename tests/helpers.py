@@ -129,11 +129,9 @@ async def raw_post(host: str, port: int, path: str, body: bytes, timeout: float 
     return int(head.split(b" ", 2)[1]), payload
 
 
-@contextmanager
-def tiny_llama_stack(checkpoint, model_dir) -> Iterator[str]:
-    """The tiny random Llama at ``checkpoint``, copied to ``model_dir`` with 1,024 positions (room for
-    the tools' system prompt, long in the tiny vocabulary), served behind a gRPC backend and a
-    frontend; yields the frontend's base URL."""
+def tiny_llama_1k_engine(checkpoint, model_dir, num_kv_blocks: int = 1024):
+    """An AsyncLLMEngine (fp32) over the tiny random Llama at ``checkpoint``, copied to ``model_dir``
+    with 1,024 positions (room for a tools' system prompt, long in the tiny vocabulary)."""
     import json
     import shutil
 
@@ -144,9 +142,16 @@ def tiny_llama_stack(checkpoint, model_dir) -> Iterator[str]:
     config = json.loads((model_dir / "config.json").read_text())
     config["max_position_embeddings"] = 1024
     (model_dir / "config.json").write_text(json.dumps(config))
+    return AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=num_kv_blocks,
+                                       block_size=4, max_model_len=1024, max_num_seqs=4))
+
+
+@contextmanager
+def tiny_llama_stack(checkpoint, model_dir) -> Iterator[str]:
+    """``tiny_llama_1k_engine`` served behind a gRPC backend and a frontend; yields the frontend's
+    base URL."""
     loop = LoopThread()
-    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=1024, block_size=4,
-                                         max_model_len=1024, max_num_seqs=4))
+    engine = tiny_llama_1k_engine(checkpoint, model_dir)
     try:
         with backend_and_frontend(loop, engine) as (_, _, base_url):
             yield base_url

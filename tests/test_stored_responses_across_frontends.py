@@ -4,16 +4,12 @@ same two backends (as behind a load balancer), continue, return and delete each 
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 
 import openai
 import pytest
-from helpers import LoopThread, uvicorn_on
+from helpers import LoopThread, tiny_llama_1k_engine, uvicorn_on
 
-from backend.engine.async_llm_engine import AsyncLLMEngine
 from backend.server.grpc_server import BackendServer
-from backend.types.config import EngineConfig
 from frontend.app import create_app
 from frontend.backend_response_store import BackendResponseStore
 from frontend.router import Router, parse_targets
@@ -23,14 +19,8 @@ from frontend.tokenizer import load_tokenizer
 @pytest.mark.timeout(300)
 def test_a_response_stored_through_one_frontend_is_continued_returned_and_deleted_through_another(
         tiny_checkpoint, tmp_path):
-    model_dir = tmp_path / "tiny-llama"
-    shutil.copytree(tiny_checkpoint("llama"), model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["max_position_embeddings"] = 1024
-    (model_dir / "config.json").write_text(json.dumps(config))
     loop = LoopThread()
-    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=512, block_size=4,
-                                         max_model_len=1024, max_num_seqs=4))
+    engine = tiny_llama_1k_engine(tiny_checkpoint("llama"), tmp_path / "tiny-llama", num_kv_blocks=512)
     backends = [BackendServer(engine, "127.0.0.1", 0) for _ in range(2)]  # two stores, one engine
     routers = []
     try:
