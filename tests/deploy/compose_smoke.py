@@ -148,6 +148,22 @@ def scenario(stack: Stack) -> None:
     log(f"long-prefix prompt x10: requests by backend {served}, prefix-cache hit tokens {hits} of {queries}")
     owner = max(served, key=served.get)
     assert served[owner] == 10 and sum(served.values()) == 10, "the long-prefix prompt went to several backends"
+
+    # A conversation continued by previous_response_id, 8 turns through the load balancer: the
+    # turns land on both frontends, and each finds the response before it (kept by the backends).
+    before = {f: total(stack.metrics(f, 8000), "tandem:http_requests_total", route="/v1/responses") for f in frontends}
+    previous = None
+    for turn in range(8):
+        body = {"input": f"Turn {turn}.", "max_output_tokens": 3, "temperature": 0}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        answer = json.loads(post(stack, "/v1/responses", body))
+        assert answer["previous_response_id"] == previous and answer["status"] in ("completed", "incomplete"), answer
+        previous = answer["id"]
+    turns = {f: total(stack.metrics(f, 8000), "tandem:http_requests_total", route="/v1/responses") - before[f]
+             for f in frontends}
+    log(f"a Responses conversation of 8 turns by previous_response_id, turns by frontend: {turns}")
+    assert all(v > 0 for v in turns.values()), "one frontend served every turn: nothing crossed frontends"
     assert hits[owner] >= 9 * 64, "its backend found no prefix in its cache"
 
     # Stop a frontend: no later request is lost.
