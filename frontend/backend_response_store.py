@@ -1,7 +1,7 @@
 """Stored /v1/responses responses kept by the backends behind a ``Router``, so that every frontend
 behind a load balancer can continue, return or delete a response any of them served.
 
-A response is put on one backend (the router's choice for an empty prompt; on failure the next),
+A response is put on one backend (the router's choice, keyed by the response's ID; on failure the next),
 and looked up or deleted on every backend the router could send a request to, concurrently: the
 first that holds it answers. Nothing is shared between backends; a backend that restarts loses
 what it held (a continuation then gets a 404 naming the ID).
@@ -31,7 +31,9 @@ class BackendResponseStore:
         tried: set[str] = set()
         while True:
             try:
-                backend, _ = self.router.choose([], exclude=frozenset(tried))
+                # The ID as the routing key: stored responses spread over the backends (the prefix
+                # policy would send every empty prompt to the same one).
+                backend, _ = self.router.choose([], salt=response_id, exclude=frozenset(tried))
             except NoBackendError:
                 return False
             try:
