@@ -8,6 +8,7 @@ architectures and SmolLM2."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -28,12 +29,32 @@ ARCHS = ["llama", "qwen2", "mistral", "opt", "gpt2"] if FULL_MATRIX else ["llama
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
 
+def start_two_nodes(before: set[int], attempts: int = 3) -> Cluster:
+    """A head and a second node. Ray waits a fixed 30 s for a raylet to register, which a busy
+    2-core machine can miss: a start that fails is torn down (every process it spawned killed)
+    and tried again."""
+    for attempt in range(1, attempts + 1):
+        try:
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+            cluster.add_node(num_cpus=1)
+            return cluster
+        except Exception:
+            if attempt == attempts:
+                raise
+            for pid in child_pids() - before:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)  # reap it: a zombie still counts as a child
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     before = child_pids()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = start_two_nodes(before)
     try:
-        cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         cluster.wait_for_nodes()
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
