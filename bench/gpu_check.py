@@ -157,7 +157,10 @@ def make_engine(model_dir: Path, plan: Plan, **kwargs):
     if plan.tiny:
         kwargs.setdefault("num_kv_blocks", 1024)
         kwargs.setdefault("async_scheduling", True)  # as on CUDA, where it is the default
-    return LLMEngine(EngineConfig(model=str(model_dir), device=plan.device.type, **kwargs))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=plan.device.type, **kwargs))
+    if plan.tiny and engine.async_scheduling:  # greedy decode steps left pending, as on CUDA
+        engine.executor.defer_steps = True
+    return engine
 
 
 def release(*objects) -> None:

@@ -25,12 +25,16 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 50)), [7] * 9, [30,
 EOS = 2
 
 
-def make_engine(checkpoint, async_scheduling: bool, **kwargs) -> LLMEngine:
+def make_engine(checkpoint, async_scheduling: bool, defer: bool = False, **kwargs) -> LLMEngine:
+    """defer: greedy decode steps are left pending on the device until the next is queued (the
+    CUDA default, backend/executor/uni.py), here on the CPU, to check its bookkeeping."""
     arguments = dict(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=26,
                      max_model_len=96, max_num_seqs=6, max_num_batched_tokens=24, seed=0,
                      async_scheduling=async_scheduling)
     arguments.update(kwargs)
-    return LLMEngine(EngineConfig(**arguments))
+    engine = LLMEngine(EngineConfig(**arguments))
+    engine.executor.defer_steps = defer
+    return engine
 
 
 def mixed_requests(stop_id: int) -> list[tuple[str, list[int], SamplingParams]]:
@@ -103,8 +107,9 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["read-each-step", "deferred"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_outputs_are_identical_with_async_scheduling_on_and_off(checkpoint, enforce_eager):
+def test_outputs_are_identical_with_async_scheduling_on_and_off(checkpoint, enforce_eager, defer):
     engine = make_engine(checkpoint, False, enforce_eager=enforce_eager)
     try:
         probe = run(engine, [("p", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))])
@@ -113,7 +118,7 @@ def test_outputs_are_identical_with_async_scheduling_on_and_off(checkpoint, enfo
     specs = mixed_requests(stop_id=probe["p"][0][0][4])
     outcomes = {}
     for async_scheduling in (False, True):
-        engine = make_engine(checkpoint, async_scheduling, enforce_eager=enforce_eager)
+        engine = make_engine(checkpoint, async_scheduling, defer=defer, enforce_eager=enforce_eager)
         try:
             assert engine.async_scheduling is async_scheduling
             outcomes[async_scheduling] = run(engine, specs)
@@ -163,8 +168,9 @@ def test_steps_overlap_and_placeholders_carry_the_tokens_in_flight(checkpoint):
         engine.shutdown()
 
 
-def test_aborts_while_a_step_is_in_flight_free_everything_and_stop_the_outputs(checkpoint):
-    engine = make_engine(checkpoint, True)
+@pytest.mark.parametrize("defer", [False, True], ids=["read-each-step", "deferred"])
+def test_aborts_while_a_step_is_in_flight_free_everything_and_stop_the_outputs(checkpoint, defer):
+    engine = make_engine(checkpoint, True, defer=defer)
     try:
         specs = [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
                  for i in range(6)]
@@ -178,6 +184,50 @@ def test_aborts_while_a_step_is_in_flight_free_everything_and_stop_the_outputs(c
         assert_idle(engine)
     finally:
         engine.shutdown()
+
+
+def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_behind(checkpoint):
+    """Greedy decode steps are left pending until the next step is queued: each is read after
+    the following launch (or a flush, when none follows); other steps read the pending one first.
+    The outputs equal the synchronous engine's; no sequence's last token outlives it."""
+    specs = [(f"g{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True))
+             for i in range(4)]
+    specs.append(("sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=9, ignore_eos=True)))
+    engine = make_engine(checkpoint, False)
+    try:
+        expected = run(engine, specs)
+    finally:
+        engine.shutdown()
+    engine = make_engine(checkpoint, True, defer=True)
+    runner = engine.executor.worker.runner
+    events: list[str] = []
+    launch, read = runner.launch, runner.read
+
+    def spying_launch(sched, defer):
+        events.append("launch-deferred" if defer else "run")
+        return launch(sched, defer)
+
+    def spying_read(step):
+        events.append("read")
+        return read(step)
+
+    runner.launch, runner.read = spying_launch, spying_read
+    try:
+        assert run(engine, specs) == expected
+        assert_idle(engine)
+        assert runner.pending is None
+        # The runner hears of the last sequences' end with the next step: then they are gone.
+        before = set(runner.last_sampled)
+        run(engine, [("after", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))])
+        assert not before & set(runner.last_sampled) and len(runner.last_sampled) <= 1
+    finally:
+        engine.shutdown()
+    assert events.count("launch-deferred") >= 5 and events.count("read") == events.count("launch-deferred")
+    for i, event in enumerate(events):
+        if event == "launch-deferred":  # its read comes after the next launch, if any launch follows
+            later = events[i + 1:]
+            if "read" in later and any(e != "read" for e in later):
+                assert later[0] != "read" or "launch-deferred" not in later[:later.index("read")], events
 
 
 def test_a_stop_at_step_n_drops_the_token_step_n_plus_1_computed(checkpoint):

@@ -6,9 +6,7 @@ reads ``SchedulerOutput`` and returns ``ModelRunnerOutput``.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -18,8 +16,8 @@ from tandem_kernels import ops as kernels
 from backend.distributed import get_parallel_state, pp_recv, pp_send
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.late_grammar import resolve_grammar
-from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
-from backend.models.attention import Attention, AttentionMetadata
+from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
+from backend.models.attention import Attention
 from backend.models.gguf_packed import attach_packed_weights
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
@@ -29,24 +27,16 @@ from backend.types.config import EngineConfig
 from backend.types.sampling_params import SamplingParams
 from backend.worker import cuda_graphs
 from backend.worker.block_tables import BlockTables
+from backend.worker.deferred_step import DeferredStep
 from backend.worker.draft_acceptance import accept_drafts
 from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
 from backend.worker.penalty_history import PenaltyHistory
 from backend.worker.pooler import Pooler
 from backend.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from backend.worker.staged_upload import StagedUpload
+from backend.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logits_rows: list[int]  # rows of the hidden states that need logits
-    # (request, index into logits_rows, draft offset): a request with d drafts samples d + 1 rows
-    sample_rows: list[tuple[ScheduledRequest, int, int]]
-    prompt_rows: list[tuple[ScheduledRequest, int, int, int]]  # (req, first index, count, first position)
 
 
 class ModelRunner:
@@ -67,6 +57,8 @@ class ModelRunner:
         self.block_tables = BlockTables()  # each running sequence's table, extended step by step
         # Each sequence's last sampled token: what a placeholder in its next step's tokens stands for.
         self.last_sampled: dict[str, int] = {}
+        self.pending: Optional[DeferredStep] = None  # the last deferred step, until read
+        self.upload = StagedUpload(device)  # a step's input arrays -> the device, in one copy
         # Graphs of decode steps (cuda_graphs.py; None: every step eager; always so with enforce_eager).
         # Not captured over several workers: collectives inside a graph are not set up (yet).
         self.graph_cls = (None if config.enforce_eager or self.parallel.world_size > 1
@@ -199,73 +191,10 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_rows: list[int] = []
-        sample_rows: list[tuple[ScheduledRequest, int, int]] = []
-        prompt_rows: list[tuple[ScheduledRequest, int, int, int]] = []
-        last_sampled = self.last_sampled
-        for s in scheduled:
-            row0 = len(input_ids)
-            if len(s.token_ids) == 1 and s.needs_sample and s.sampling_params.prompt_logprobs is None:
-                # The common case, one decode token (no drafts): its row, position, slot and sample row.
-                pos, token = s.start_pos, s.token_ids[0]
-                if token == PLACEHOLDER_TOKEN_ID:  # sampled by the step before (async scheduling)
-                    token = last_sampled.get(s.request_id, 0)
-                input_ids.append(token)
-                positions.append(pos)
-                slots.append(s.block_ids[pos // bs] * bs + pos % bs)
-                seq_lens.append(pos + 1)
-                query_lens.append(1)
-                sample_rows.append((s, len(logits_rows), 0))
-                logits_rows.append(row0)
-                continue
-            start, n = s.start_pos, s.num_tokens
-            end = start + n
-            input_ids.extend(s.token_ids)
-            if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:  # sampled by the step before (async scheduling)
-                # A sequence whose sampling failed there has ended: its row is computed, then dropped.
-                input_ids[-1] = self.last_sampled.get(s.request_id, 0)
-            positions.extend(range(start, end))
-            pos = start
-            while pos < end:  # slots run contiguously inside each block
-                block_end = min(end, (pos // bs + 1) * bs)
-                base = s.block_ids[pos // bs] * bs - (pos // bs) * bs
-                slots.extend(range(base + pos, base + block_end))
-                pos = block_end
-            seq_lens.append(end)
-            query_lens.append(n)
-            if s.sampling_params.prompt_logprobs is not None and start < s.num_prompt_tokens - 1:
-                # Row at position p predicts prompt token p + 1.
-                last = min(end, s.num_prompt_tokens - 1)
-                prompt_rows.append((s, len(logits_rows), last - start, start))
-                logits_rows.extend(range(row0, row0 + last - start))
-            if s.needs_sample:  # the last token's row, and each draft's
-                first = row0 + n - 1 - s.num_draft_tokens
-                for j in range(s.num_draft_tokens + 1):
-                    sample_rows.append((s, len(logits_rows), j))
-                    logits_rows.append(first + j)
-
-        block_tables = torch.from_numpy(self.block_tables.padded(scheduled))  # [rows, max_blocks]
-        query_start = [0, *itertools.accumulate(query_lens)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=block_tables.to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=self.device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        # The reference attention's index work, shared by all layers (Triton kernels ignore it).
-        meta.plan = kernels.plan_attention(meta.block_tables, seq_lens, query_lens, bs)
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta=meta, logits_rows=logits_rows, sample_rows=sample_rows, prompt_rows=prompt_rows)
+        pending = self.pending
+        return build_step_inputs(scheduled, self.block_size, self.block_tables, self.last_sampled, self.upload,
+                                 pending.rows if pending is not None else None,
+                                 pending.tokens if pending is not None else None)
 
     def _generator(self, s: ScheduledRequest) -> Optional[torch.Generator]:
         seed = s.sampling_params.seed
@@ -293,11 +222,29 @@ class ModelRunner:
             return None
         return hidden
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its results."""
+        out = self.launch(sched, defer=False)
+        assert isinstance(out, ModelRunnerOutput)
+        return out
+
+    def read(self, step: DeferredStep) -> ModelRunnerOutput:
+        """A deferred step's results, once its tokens are on the host (waits for them)."""
+        out = step.read()
+        if self.pending is step:
+            self.pending = None
+        self._record_sampled(out)
+        return out
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, defer: bool) -> ModelRunnerOutput | DeferredStep:
+        """Run one step. defer (only where ``can_defer(sched)``): return once its kernels are
+        queued, its tokens still on the device, as a ``DeferredStep`` for ``read``."""
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
             self.last_sampled.pop(request_id, None)
+            if self.pending is not None:
+                self.pending.forget(request_id)
         self.block_tables.release(sched.finished_request_ids)
         self.pooler.release(sched.finished_request_ids)
         if self.penalty_history is not None:
@@ -311,8 +258,7 @@ class ModelRunner:
             self.pooler.step(sched.scheduled, hidden, out)
         if hidden is None or not inputs.logits_rows:
             return out
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_rows, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_index))  # [num_rows, vocab]
         if logits is None:  # a TP rank other than 0: rank 0 holds the gathered logits and samples
             return out
 
@@ -324,6 +270,10 @@ class ModelRunner:
             except Exception as error:  # noqa: BLE001 -- this request's alone (see _request_failure)
                 out.failed[s.request_id] = _request_failure(error, "prompt logprobs")
 
+        if defer:  # can_defer: one greedy row per sequence, the logits' rows in order
+            self.pending = DeferredStep(out, [s.request_id for s, _, _ in inputs.sample_rows],
+                                        kernels.argmax_rows(logits))
+            return self.pending
         if inputs.sample_rows:
             index = [i for _, i, _ in inputs.sample_rows]
             if index != list(range(len(inputs.logits_rows))):

@@ -17,6 +17,7 @@ from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import SchedulerOutput
 from backend.types.config import EngineConfig
 from backend.types.startup_log import log_phase
+from backend.worker.deferred_step import DeferredStep
 from backend.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,15 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def launch(self, sched: SchedulerOutput) -> DeferredStep:
+        """A step that ``can_defer``: queued, its tokens read later by ``read``."""
+        step = self.runner.launch(sched, defer=True)
+        assert isinstance(step, DeferredStep)
+        return step
+
+    def read(self, step: DeferredStep) -> ModelRunnerOutput:
+        return self.runner.read(step)
 
     def shutdown(self) -> None:
         destroy_distributed()

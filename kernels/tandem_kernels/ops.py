@@ -111,11 +111,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int],
-                   block_size: int) -> AttentionPlan | VarlenPlan:
+                   block_size: int, seq_lens_tensor: Optional[torch.Tensor] = None,
+                   query_start_tensor: Optional[torch.Tensor] = None) -> AttentionPlan | VarlenPlan:
     """A step's attention metadata, shared by every layer: tensors only (``VarlenPlan``) for
-    the Triton and fused CPU kernels, the reference's host-built ``AttentionPlan`` otherwise."""
+    the Triton and fused CPU kernels, the reference's host-built ``AttentionPlan`` otherwise.
+    The optional tensors: seq_lens and the query start offsets, int32, on the device already."""
     if block_tables.is_cuda or _cpu_fast(block_tables):
-        return plan_varlen(block_tables, seq_lens, query_lens)
+        return plan_varlen(block_tables, seq_lens, query_lens, seq_lens_tensor, query_start_tensor)
     return reference.plan_attention(block_tables, seq_lens, query_lens, block_size)
 
 

@@ -257,6 +257,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: list[int], query_lens: 
     """block_tables: [num_reqs, max_blocks] (padding may be any valid block ID); the plan's
     tensors live on block_tables' device."""
     device = block_tables.device
+    block_tables = block_tables.long()
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
     starts = [0]
     for q in query_lens:
@@ -302,16 +303,22 @@ class VarlenPlan:
     num_splits: Optional[int] = None  # KV splits per request; None: the kernel decides
 
 
-def plan_varlen(block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int]) -> VarlenPlan:
-    """The VarlenPlan of a step; its tensors live on block_tables' device."""
+def plan_varlen(block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int],
+                seq_lens_tensor: Optional[torch.Tensor] = None,
+                query_start_tensor: Optional[torch.Tensor] = None) -> VarlenPlan:
+    """The VarlenPlan of a step; its tensors live on block_tables' device. The caller may pass
+    seq_lens and the query start offsets as int32 tensors there already (not uploaded again)."""
     device = block_tables.device
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    return VarlenPlan(block_tables=block_tables.to(torch.int32),
-                      seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                      query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-                      max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    if seq_lens_tensor is None:
+        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    if query_start_tensor is None:
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        query_start_tensor = torch.tensor(starts, dtype=torch.int32, device=device)
+    return VarlenPlan(block_tables=block_tables.to(torch.int32), seq_lens=seq_lens_tensor,
+                      query_start_loc=query_start_tensor, max_query_len=max(query_lens),
+                      max_seq_len=max(seq_lens))
 
 
 def _plan_from_varlen(plan: VarlenPlan, block_size: int) -> AttentionPlan:

@@ -1,0 +1,72 @@
+"""Host arrays to the device in one copy that never waits for the device's queue.
+
+A copy from pageable host memory returns only once the device has run it, so a step's input
+upload would wait behind every kernel queued before it (the step in flight, under async
+scheduling). Here the arrays of a step are packed into a pinned buffer and sent in one
+non-blocking copy; each array comes back as a view of the one device buffer. Two pinned
+buffers are used in turn, and one is refilled only after the copy out of it has run.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+Array = Union[Sequence[int], Sequence[float], np.ndarray]
+_ALIGN = 8  # bytes: every array starts aligned for any dtype used here
+
+
+class StagedUpload:
+    def __init__(self, device: torch.device, stage: bool | None = None) -> None:
+        """stage: pack and copy (default: on CUDA only; tests stage on the CPU, unpinned)."""
+        self.device = device
+        self.stage = device.type == "cuda" if stage is None else stage
+        self._buffers: list[torch.Tensor | None] = [None, None]  # pinned uint8
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def __call__(self, arrays: list[tuple[Array, torch.dtype]]) -> list[torch.Tensor]:
+        """(values, dtype) pairs -> device tensors, same order; a 2-D numpy array keeps its shape."""
+        if not self.stage:  # the CPU reads host memory directly: no copy to stage
+            return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) if isinstance(a, np.ndarray)
+                    else torch.tensor(a, dtype=dtype) for a, dtype in arrays]
+        shapes, offsets, total = [], [], 0
+        for values, dtype in arrays:
+            shape = values.shape if isinstance(values, np.ndarray) else (len(values),)
+            shapes.append(shape)
+            offsets.append(total)
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # the copy out of this buffer (two steps ago) has run
+        buffer = self._buffers[turn]
+        if buffer is None or buffer.numel() < total:
+            size = max(total, 2 * (buffer.numel() if buffer is not None else 0), 1 << 16)
+            buffer = self._buffers[turn] = torch.empty(size, dtype=torch.uint8,
+                                                       pin_memory=self.device.type == "cuda")
+        host = buffer.numpy()
+        for (values, dtype), shape, offset in zip(arrays, shapes, offsets):
+            count = int(np.prod(shape))
+            view = host[offset:offset + count * dtype.itemsize].view(_numpy_dtype(dtype))
+            view[:] = np.asarray(values, dtype=view.dtype).reshape(-1)
+        if self.device.type == "cuda":
+            device_bytes = buffer[:total].to(self.device, non_blocking=True)
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        else:  # staged on the CPU (tests): a copy, as the device's would be
+            device_bytes = buffer[:total].clone()
+        out = []
+        for (values, dtype), shape, offset in zip(arrays, shapes, offsets):
+            count = int(np.prod(shape))
+            out.append(device_bytes[offset:offset + count * dtype.itemsize].view(dtype).view(shape))
+        return out
+
+
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return np.dtype(_NUMPY[dtype])
