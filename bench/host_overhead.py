@@ -7,9 +7,11 @@
 The engine runs for real, in this process (the ``uni`` executor): scheduling, the block
 manager, input preparation, sampling, penalties, structured-output masks, output processing.
 Only the model is simulated. The model is a tiny random Llama (1 layer, 64 wide, vocabulary
-512), and its forward is replaced by a simulated device that does no arithmetic. It holds the
-step for D ms in ``time.sleep``, which releases the GIL the way a wait on a GPU does, and
-returns hidden states and logits of the right shapes. The logits are a fixed random tensor per
+512), and its forward is replaced by a simulated device that does no arithmetic. It models a
+GPU's queue: a step's forward queues D ms of device work and returns at once, and reading the
+step's tokens waits in ``time.sleep`` (which releases the GIL, as a wait on a GPU does) until
+that work has ended. With async scheduling greedy decode steps are left pending until the next
+is queued, as on CUDA (backend/executor/uni.py). The logits are a fixed random tensor per
 row count, so the sampler does its real work on them. Decode graphs are off
 (``enforce_eager``): a captured graph would run the real model and bypass the simulated forward.
 
@@ -19,7 +21,7 @@ with plain greedy sampling and with penalties (repetition 1.1, presence 0.5, fre
 one point (``--structured``) also runs with every sequence constrained by a JSON Schema.
 Reported, as medians over the timed steps:
 
-- host ms: a step's wall time minus the time spent inside the simulated device, at D = 0.
+- host ms: a step's wall time minus the time spent waiting for the simulated device, at D = 0.
   This is the work a GPU would wait on if nothing overlapped it. With async scheduling
   (``--scheduling async``: each step is launched on the executor's step thread before the one
   before is processed) it is the period at D = 0: the host's work per step, spread over the
@@ -60,6 +62,7 @@ import torch  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.types.config import EngineConfig  # noqa: E402
 from backend.types.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from backend.worker.deferred_step import DeferredStep  # noqa: E402
 
 HIDDEN = 64
 VOCAB = 512
@@ -110,16 +113,20 @@ def _precise_sleeps() -> None:
 class SimulatedDevice:
     """Stands in for the model runner's forward and logits (patched onto one runner).
 
-    The forward holds the step until ``device_ms`` have passed since it began, sleeping,
-    so the GIL is free meanwhile. The hidden states are a zero buffer cut to the step's
-    token count. The logits are a copy of a fixed random [rows, vocab] tensor for that
-    row count; a copy, because the grammar mask is applied to the logits in place.
-    ``busy_s`` adds up the time spent inside both calls.
+    It models a GPU's queue: the forward queues ``device_ms`` of work and returns at once, as a
+    CUDA launch does; the queue runs in order (a step's work starts when the one before ends).
+    Reading a step's tokens waits, sleeping (so the GIL is free), until that step's work has
+    ended: in the synchronous sampling path (``_sample``), or when a deferred step is read
+    (async scheduling leaves greedy decode steps pending, as on CUDA). The hidden states are a
+    zero buffer cut to the step's token count. The logits are a copy of a fixed random
+    [rows, vocab] tensor for that row count; a copy, because the grammar mask is applied to the
+    logits in place. ``busy_s`` adds up the time the host spent waiting for the device.
     """
 
     def __init__(self, runner, max_tokens: int) -> None:
         self.device_ms = 0.0
         self.busy_s = 0.0
+        self.free_at = 0.0  # when the queued work ends (perf_counter seconds)
         self._hidden = torch.zeros(max_tokens, HIDDEN, dtype=runner.dtype)  # [max_tokens, hidden]
         self._logits: dict[int, torch.Tensor] = {}
         self._quote_tokens = _tokens_with_quote(runner.config.tokenizer_path)
@@ -127,24 +134,44 @@ class SimulatedDevice:
         runner._forward = self.forward
         runner.model.compute_logits = self.compute_logits
         runner.model.forward = _model_must_not_run  # a path around the simulated forward fails loudly
+        sample, launch, read = runner._sample, runner.launch, runner.read
+
+        def sample_when_done(*args, **kwargs):
+            self.wait(self.free_at)  # the synchronous path reads the tokens of the step just queued
+            return sample(*args, **kwargs)
+
+        def launch_marking_its_end(sched, defer):
+            ends_at = None
+            step = launch(sched, defer)
+            if isinstance(step, DeferredStep):
+                ends_at = self.free_at
+                step.simulated_end = ends_at
+            return step
+
+        def read_when_done(step):
+            self.wait(step.simulated_end)
+            return read(step)
+
+        runner._sample, runner.launch, runner.read = sample_when_done, launch_marking_its_end, read_when_done
 
     def forward(self, inputs) -> torch.Tensor:
-        start = time.perf_counter()
         if threading.get_ident() not in self._threads_set_up:
             _precise_sleeps()
             self._threads_set_up.add(threading.get_ident())
-        hidden = self._hidden[:inputs.input_ids.shape[0]]  # [num_tokens, hidden]
-        deadline = start + self.device_ms / 1e3
-        while (left := deadline - time.perf_counter()) > 0:
+        self.free_at = max(time.perf_counter(), self.free_at) + self.device_ms / 1e3
+        return self._hidden[:inputs.input_ids.shape[0]]  # [num_tokens, hidden]
+
+    def wait(self, until: float) -> None:
+        if threading.get_ident() not in self._threads_set_up:
+            _precise_sleeps()
+            self._threads_set_up.add(threading.get_ident())
+        start = time.perf_counter()
+        while (left := until - time.perf_counter()) > 0:
             time.sleep(left)
         self.busy_s += time.perf_counter() - start
-        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = self.logits(hidden.shape[0]).clone()  # [rows, vocab]
-        self.busy_s += time.perf_counter() - start
-        return logits
+        return self.logits(hidden.shape[0]).clone()  # [rows, vocab]
 
     def logits(self, rows: int) -> torch.Tensor:
         """Fixed random logits for ``rows`` rows. Tokens holding a double quote are the least
@@ -242,11 +269,14 @@ def build_engine(checkpoint: Path, max_batch: int, max_context: int, max_decode:
     budget = max(PREFILL_BUDGET, max_batch)
     max_model_len = max_context + max_decode + -(-max_batch * max_context // budget) + BLOCK_SIZE
     num_blocks = max_batch * -(-max_model_len // BLOCK_SIZE)
-    return LLMEngine(EngineConfig(
+    engine = LLMEngine(EngineConfig(
         model=str(checkpoint), dtype="float32", device="cpu", distributed_executor_backend="uni",
         enforce_eager=True, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_model_len=max_model_len,
         max_num_seqs=max(max_batch, 1), max_num_batched_tokens=budget,
         grammar_compile_workers=2, async_scheduling=async_scheduling))
+    if engine.async_scheduling:  # greedy decode steps left pending on the device, as on CUDA
+        engine.executor.defer_steps = True
+    return engine
 
 
 def markdown_table(points: list[Point], device_ms: list[float]) -> str:

@@ -1,5 +1,5 @@
 """bench/host_overhead.py end to end at its smallest size: every row is there, every figure is a
-real time, and the simulated device really held each step for D. No speed is asserted."""
+real time, and each step waited for the simulated device's D. No speed is asserted."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def test_smallest_matrix_reports_every_row_with_real_times(tmp_path):
         if point["scheduling"] == "async":  # steps overlap: a step's period is all there is to check
             assert point["period_ms"]["0.5"] >= DEVICE_MS * 0.9, key
             continue
-        # The device was busy D ms in every timed step, and the step lasted at least that long.
-        assert point["device_ms_elapsed"]["0.5"] >= DEVICE_MS, key
+        # The host waited for the device in every timed step (less than D: the host's own work
+        # between the launch and the read overlaps it), and the step lasted at least D.
+        assert 0 < point["device_ms_elapsed"]["0.5"] <= DEVICE_MS + 1.0, key
         assert min(point["steps_ms"]["0.5"]) >= DEVICE_MS, key
         assert point["period_ms"]["0.5"] >= DEVICE_MS, key
         # At D = 0 the simulated device only hands back its buffers: the step is nearly all host.
