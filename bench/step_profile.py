@@ -105,7 +105,8 @@ def profile_batch(engine, batch: int, context: int, steps: int, vocab: int, devi
              f"wall ms/step (median of {steps}): {wall_ms:.3f}",
              f"under torch.profiler: {profiled_ms:.3f} ms/step, device busy {busy_ms:.3f} ms/step "
              f"({100 * busy_ms / profiled_ms:.0f} %)",
-             "", "### Python: by own time, then by cumulative time (cProfile, all steps)", "```", text.getvalue().strip(), "```",
+             "", "### Python: by own time, then by cumulative time (cProfile, all steps)",
+             "```", text.getvalue().strip(), "```",
              "", f"### ops by {sort}", "```", table, "```", ""]
     return "\n".join(lines)
 

@@ -187,7 +187,7 @@ def test_aborts_while_a_step_is_in_flight_free_everything_and_stop_the_outputs(c
 
 
 def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_behind(checkpoint):
-    """Greedy decode steps are left pending until the next step is queued: each is read after
+    """Plain decode steps (greedy or drawn) are left pending until the next step is queued: each is read after
     the following launch (or a flush, when none follows); other steps read the pending one first.
     The outputs equal the synchronous engine's; no sequence's last token outlives it."""
     specs = [(f"g{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True))
@@ -203,8 +203,12 @@ def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_be
     events: list[str] = []
     launch, read = runner.launch, runner.read
 
+    drawn = []  # deferred steps with a temperature-sampled sequence
+
     def spying_launch(sched, defer):
         events.append("launch-deferred" if defer else "run")
+        if defer and any(not s.sampling_params.greedy for s in sched.scheduled):
+            drawn.append(len(events))
         return launch(sched, defer)
 
     def spying_read(step):
@@ -223,6 +227,7 @@ def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_be
     finally:
         engine.shutdown()
     assert events.count("launch-deferred") >= 5 and events.count("read") == events.count("launch-deferred")
+    assert drawn, "temperature sampling (seeded, no top-p) is deferred too"
     for i, event in enumerate(events):
         if event == "launch-deferred":  # its read comes after the next launch, if any launch follows
             later = events[i + 1:]

@@ -4,9 +4,9 @@ Under async scheduling the runner may return from a step before its tokens reach
 its kernels are queued, its tokens are copied into pinned memory behind them, and an event
 marks the copy. The next step is prepared and queued meanwhile (its placeholder tokens are
 gathered from ``tokens`` on the device, backend/worker/step_inputs.py); ``read`` waits for the
-event (the GIL released) and completes the step's output. Only plain greedy decode steps are
+event (the GIL released) and completes the step's output. Only plain decode steps are
 deferred (``can_defer``): anything that needs a step's tokens on the host before the next
-step runs (penalties, grammars, logprobs, drafts, prompt logprobs, pooling) runs as before.
+step runs, or reads the device while sampling, runs as before.
 """
 
 from __future__ import annotations
@@ -15,14 +15,24 @@ import torch
 
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import SchedulerOutput
+from backend.types.sampling_params import SamplingParams
 
 
 def can_defer(sched: SchedulerOutput) -> bool:
-    """Every sequence decodes one token, the argmax of its raw logits, and nothing else."""
+    """Every sequence decodes one token, greedy or drawn (temperature, top-k, min-p, seeds), and
+    nothing needs it on the host before the next step: no logprobs, penalties, logit_bias,
+    min_tokens, grammar, drafts or pooling, and no top-p (its wide-nucleus fallback reads the
+    device)."""
     return bool(sched.scheduled) and sched.grammar is None and all(
         s.needs_sample and len(s.token_ids) == 1 and not s.num_draft_tokens
-        and s.sampling_params.argmax_only and s.sampling_params.prompt_logprobs is None
-        and s.sampling_params.pooling is None for s in sched.scheduled)
+        and _deferrable(s.sampling_params) for s in sched.scheduled)
+
+
+def _deferrable(params: SamplingParams) -> bool:
+    if params.prompt_logprobs is not None or params.pooling is not None:
+        return False
+    return params.argmax_only or (not params.wants_logprobs and not params.has_penalties and not params.logit_bias
+                                  and params.min_tokens == 0 and params.top_p >= 1.0)
 
 
 class DeferredStep:

@@ -50,7 +50,6 @@ class ModelRunner:
         self.model = None
         self.attn_layers: list[Attention] = []
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.penalty_history: Optional[PenaltyHistory] = None  # made at the first penalized request
         self.pooler = Pooler()  # embedding requests' pooled hidden states
@@ -59,6 +58,7 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}
         self.pending: Optional[DeferredStep] = None  # the last deferred step, until read
         self.upload = StagedUpload(device)  # a step's input arrays -> the device, in one copy
+        self.sampler = Sampler(self.upload)
         # Graphs of decode steps (cuda_graphs.py; None: every step eager; always so with enforce_eager).
         # Not captured over several workers: collectives inside a graph are not set up (yet).
         self.graph_cls = (None if config.enforce_eager or self.parallel.world_size > 1
@@ -270,9 +270,10 @@ class ModelRunner:
             except Exception as error:  # noqa: BLE001 -- this request's alone (see _request_failure)
                 out.failed[s.request_id] = _request_failure(error, "prompt logprobs")
 
-        if defer:  # can_defer: one greedy row per sequence, the logits' rows in order
+        if defer:  # can_defer: one row per sequence, the logits' rows in order, nothing read back
+            rows = [self._sampling_row(s, 0, {}) for s, _, _ in inputs.sample_rows]
             self.pending = DeferredStep(out, [s.request_id for s, _, _ in inputs.sample_rows],
-                                        kernels.argmax_rows(logits))
+                                        self.sampler.sample_on_device(logits, rows))
             return self.pending
         if inputs.sample_rows:
             index = [i for _, i, _ in inputs.sample_rows]

@@ -10,7 +10,7 @@ transforms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -67,7 +67,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless: per-request state (tokens, RNG) comes in with the rows."""
+    """Stateless: per-request state (tokens, RNG) comes in with the rows.
+
+    ``upload`` sends host values to the logits' device: [(values, dtype)] -> tensors (the
+    runner's pinned, non-blocking ``StagedUpload``, so sampling never waits for the device's
+    queue; default: ``torch.tensor``)."""
+
+    def __init__(self, upload: Optional[Callable[[list], list[torch.Tensor]]] = None) -> None:
+        self.upload = upload
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  allowed_tokens: Optional[TokenBitmask] = None,
@@ -83,20 +90,35 @@ class Sampler:
             allowed_tokens.apply_(logits)
         num_rows = len(rows)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.wants_logprobs]
+        raw_logprobs = None
+        if logprob_rows:
+            index = torch.tensor(logprob_rows, device=logits.device)
+            raw_logprobs = logits[index].float().log_softmax(dim=-1)  # [num_logprob_rows, vocab]
+        token_ids = self.sample_on_device(logits, rows, penalty_history)
+
+        logprobs: list[Optional[PositionLogprobs]] = [None] * num_rows
+        if raw_logprobs is not None:
+            chosen = token_ids[torch.tensor(logprob_rows, device=logits.device)]
+            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs or 0 for i in logprob_rows],
+                                           [rows[i].params.logprob_token_ids for i in logprob_rows])
+            for i, position in zip(logprob_rows, positions):
+                logprobs[i] = position
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow],
+                         penalty_history: Optional[PenaltyHistory] = None) -> torch.Tensor:
+        """The rows' tokens [num_rows] int64, left on the logits' device (no logprobs, no
+        grammar mask: ``__call__`` adds those). logits: [num_rows, vocab], not modified."""
+        num_rows = len(rows)
+        device = logits.device
+        upload = self.upload or (lambda arrays: [torch.tensor(v, dtype=d, device=device) for v, d in arrays])
         min_tokens_rows = [i for i, row in enumerate(rows) if row.below_min_tokens]
         penalty_rows = [i for i, row in enumerate(rows) if row.has_penalties]
         bias_rows = [i for i, row in enumerate(rows) if row.params.logit_bias]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-
-        if not (logprob_rows or min_tokens_rows or penalty_rows or bias_rows or random_rows):
+        if not (min_tokens_rows or penalty_rows or bias_rows or random_rows):
             # Hot path: the argmax is the same in any dtype, so skip the float32 copy.
-            return SamplerOutput(kernels.argmax_rows(logits).tolist(), [None] * num_rows)
-
-        device = logits.device
-        raw_logprobs = None
-        if logprob_rows:
-            index = torch.tensor(logprob_rows, device=device)
-            raw_logprobs = logits[index].float().log_softmax(dim=-1)  # [num_logprob_rows, vocab]
+            return kernels.argmax_rows(logits)
 
         work = logits.to(torch.float32, copy=True)  # [num_rows, vocab]; the caller's logits stay intact
         if min_tokens_rows:
@@ -107,21 +129,12 @@ class Sampler:
             _apply_penalties(work, rows, penalty_rows, penalty_history)
 
         if len(random_rows) == num_rows:
-            token_ids = _sample_random(work, rows)  # [num_rows]; filters our own copy in place
-        else:
-            token_ids = work.argmax(dim=-1)  # [num_rows]; random rows overwritten below
-            if random_rows:
-                index = torch.tensor(random_rows, device=device)
-                token_ids[index] = _sample_random(work[index], [rows[i] for i in random_rows])
-
-        logprobs: list[Optional[PositionLogprobs]] = [None] * num_rows
-        if raw_logprobs is not None:
-            chosen = token_ids[torch.tensor(logprob_rows, device=device)]
-            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs or 0 for i in logprob_rows],
-                                           [rows[i].params.logprob_token_ids for i in logprob_rows])
-            for i, position in zip(logprob_rows, positions):
-                logprobs[i] = position
-        return SamplerOutput(token_ids.tolist(), logprobs)
+            return _sample_random(work, rows, upload)  # [num_rows]; filters our own copy in place
+        token_ids = work.argmax(dim=-1)  # [num_rows]; random rows overwritten below
+        if random_rows:
+            index, = upload([(random_rows, torch.int64)])
+            token_ids[index] = _sample_random(work[index], [rows[i] for i in random_rows], upload)
+        return token_ids
 
 
 def compute_prompt_logprobs(
@@ -265,16 +278,19 @@ def _penalized(sub: torch.Tensor, rows: list[SamplingRow], row_indices: list[int
     return sub
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one draw per row. logits: [n, vocab], modified."""
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], upload) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row. logits: [n, vocab], modified.
+    Without top-p it never waits for the device (its parameters go up through ``upload``)."""
     device = logits.device
     vocab_size = logits.shape[1]
-    temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32, device=device)
+    top_ks = [row.params.top_k if row.params.top_k < vocab_size else 0 for row in rows]  # 0: off
+    min_ps = [row.params.min_p for row in rows]
+    temperature, k, log_min_p = upload([([row.params.temperature for row in rows], torch.float32),
+                                        (top_ks, torch.int64), (min_ps, torch.float32)])
     logits.div_(temperature.unsqueeze(1))
 
-    top_ks = [row.params.top_k if row.params.top_k < vocab_size else 0 for row in rows]  # 0: off
     if any(top_ks):
-        _apply_top_k(logits, top_ks)
+        _apply_top_k(logits, top_ks, k)
 
     top_p_rows = [i for i, row in enumerate(rows) if row.params.top_p < 1.0]
     if len(top_p_rows) == len(rows):
@@ -285,10 +301,9 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         _apply_top_p(subset, [rows[i].params.top_p for i in top_p_rows])
         logits[index] = subset
 
-    min_ps = [row.params.min_p for row in rows]
     if any(p > 0.0 for p in min_ps):
         # prob_i < min_p * prob_max  <=>  logit_i < logit_max + log(min_p); no softmax needed.
-        log_min_p = torch.tensor(min_ps, dtype=torch.float32, device=device).log().unsqueeze(1)  # [n, 1]
+        log_min_p = log_min_p.log().unsqueeze(1)  # [n, 1]
         max_logit = logits.max(dim=-1, keepdim=True).values  # [n, 1]
         logits.masked_fill_(logits < max_logit + log_min_p, _NEG_INF)
 
@@ -296,10 +311,9 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1)
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
-    """Keep the k largest logits per row (ties with the k-th kept); k = 0 keeps all. In place."""
-    device = logits.device
-    k = torch.tensor(top_ks, device=device)  # [n]
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int], k: torch.Tensor) -> None:
+    """Keep the k largest logits per row (ties with the k-th kept); k = 0 keeps all. In place.
+    k: top_ks [n] on the logits' device."""
     top_values = logits.topk(max(top_ks), dim=-1).values  # [n, max_k], descending
     kth = top_values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [n, 1]
     kth = torch.where(k.unsqueeze(1) > 0, kth, torch.full_like(kth, _NEG_INF))

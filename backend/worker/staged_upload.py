@@ -3,8 +3,10 @@
 A copy from pageable host memory returns only once the device has run it, so a step's input
 upload would wait behind every kernel queued before it (the step in flight, under async
 scheduling). Here the arrays of a step are packed into a pinned buffer and sent in one
-non-blocking copy; each array comes back as a view of the one device buffer. Two pinned
-buffers are used in turn, and one is refilled only after the copy out of it has run.
+non-blocking copy; each array comes back as a view of the one device buffer. A few pinned
+buffers are used in turn (a step uploads its inputs, then its sampling parameters), and one is
+refilled only after the copy out of it has run: with steps two deep in flight that copy ran
+long before, so the check never waits in practice.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 Array = Union[Sequence[int], Sequence[float], np.ndarray]
 _ALIGN = 8  # bytes: every array starts aligned for any dtype used here
+_RING = 4  # pinned buffers used in turn
 
 
 class StagedUpload:
@@ -23,8 +26,8 @@ class StagedUpload:
         """stage: pack and copy (default: on CUDA only; tests stage on the CPU, unpinned)."""
         self.device = device
         self.stage = device.type == "cuda" if stage is None else stage
-        self._buffers: list[torch.Tensor | None] = [None, None]  # pinned uint8
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._buffers: list[torch.Tensor | None] = [None] * _RING  # pinned uint8
+        self._copied: list[torch.cuda.Event | None] = [None] * _RING
         self._turn = 0
 
     def __call__(self, arrays: list[tuple[Array, torch.dtype]]) -> list[torch.Tensor]:
@@ -39,9 +42,9 @@ class StagedUpload:
             offsets.append(total)
             nbytes = int(np.prod(shape)) * dtype.itemsize
             total += -(-nbytes // _ALIGN) * _ALIGN
-        turn, self._turn = self._turn, self._turn ^ 1
+        turn, self._turn = self._turn, (self._turn + 1) % _RING
         if self._copied[turn] is not None:
-            self._copied[turn].synchronize()  # the copy out of this buffer (two steps ago) has run
+            self._copied[turn].synchronize()  # the copy out of this buffer (steps ago) has run
         buffer = self._buffers[turn]
         if buffer is None or buffer.numel() < total:
             size = max(total, 2 * (buffer.numel() if buffer is not None else 0), 1 << 16)
