@@ -11,7 +11,8 @@ phase, so a run cut short still leaves what it measured:
 2. kernels: each Triton kernel vs its torch reference (error, µs, % of bandwidth) at
    (batch, context) = (1, 1k), (1, 8k), (64, 1k), (256, 1k), (256, 4k) (bench/triton_kernels.py);
 3. logits: engine vs HF transformers on the same seeded fp32 weights, per config
-   (max |Δ logprob| over prompt tokens, greedy tokens equal);
+   (max |Δ logprob| over prompt tokens, greedy tokens equal: eager, graphs, graphs with async
+   scheduling), then both in bf16 (max |Δ logprob|);
 4. graphs: batch-1 decode, eager vs CUDA graphs (tok/s, ratio, same tokens), per config,
    with the step's achieved bandwidth (weights + KV read per step over step time);
 5. sweep: decode batch 1 ... 256 at context ~1,024 (step ms, tok/s, % bandwidth);
@@ -34,11 +35,9 @@ median over the timed steps.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -53,39 +52,11 @@ if __name__ == "__main__":  # run as a script, bench/ is sys.path[0]: the reposi
 
 import torch
 
-CONFIGS = {"smollm2-135m": "smollm2-135m.json", "llama-3.2-1b": "llama-3.2-1b.json",
-           "qwen2.5-0.5b": "qwen2.5-0.5b.json"}
-# --tiny: every config shrunk to this (same architecture, same code paths).
-TINY_OVERRIDES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2)
+from bench.gpu_models import (CONFIGS, Plan, build_checkpoint, decode_steps, kv_bytes_per_token, make_engine,
+                              random_prompts, release, runner_of, weight_bytes)
 # Not installed on the H200 machine: the engine path this script drives must not import them.
 ABSENT_ON_GPU_MACHINE = {"fastapi", "uvicorn", "starlette", "gguf", "grpc_health", "grpc_reflection",
                          "prometheus_client"}
-
-
-class Plan:
-    """The sizes of one run: the real check or its --tiny CPU rehearsal."""
-
-    def __init__(self, tiny: bool) -> None:
-        self.tiny = tiny
-        self.device = torch.device("cpu" if tiny else "cuda")
-        # The serving dtype; fp32 on the CPU, whose bf16 matmuls are emulated (slow).
-        self.dtype = torch.float32 if tiny else torch.bfloat16
-        self.copy_bytes = 8 << 20 if tiny else 2 << 30
-        self.matmul_n = 256 if tiny else 8192
-        self.logit_prompts = [5, 9, 17] if tiny else [17, 64, 200]
-        self.greedy_tokens = 4 if tiny else 16
-        self.b1_prompt, self.b1_steps = (8, 6) if tiny else (128, 64)
-        self.sweep = [1, 2, 4] if tiny else [1, 2, 4, 8, 16, 32, 64, 128, 256]
-        self.sweep_prompt, self.sweep_steps = (48, 3) if tiny else (1008, 16)
-        self.nano = dict(num_seqs=8, low=10, high=40) if tiny else dict(num_seqs=256, low=100, high=1024)
-        self.max_model_len = 256 if tiny else 2304
-        self.max_num_seqs = 8 if tiny else 256
-        self.max_num_batched_tokens = 128 if tiny else 8192
-        # long_context: the long engine's max_model_len and the (short, long) decode contexts.
-        self.long_max_model_len = 4096 if tiny else 131072
-        self.long_contexts = (40, 1000) if tiny else (1008, 32752)
-        self.long_steps = 3 if tiny else 32
 
 
 class Results:
@@ -125,106 +96,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-# ---- models ------------------------------------------------------------------------------------
-
-def build_checkpoint(name: str, out_dir: Path, dtype: torch.dtype, plan: Plan, seed: int = 0):
-    """(directory, HF model on the device): config from bench/configs, weights random from seed."""
-    import transformers as T
-    from tokenizers import Tokenizer, models
-
-    fields = json.loads((REPO / "bench" / "configs" / CONFIGS[name]).read_text())
-    if plan.tiny:
-        fields.update(TINY_OVERRIDES)
-    config = T.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(seed)
-    with torch.device(plan.device):
-        hf = T.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    hf.save_pretrained(str(out_dir))
-    # The engine wants a tokenizer beside the weights; token IDs are all this check sends.
-    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(out_dir / "tokenizer.json"))
-    return out_dir, hf
-
-
-def make_engine(model_dir: Path, plan: Plan, **kwargs):
-    from backend.engine.llm_engine import LLMEngine
-    from backend.types.config import EngineConfig
-
-    kwargs.setdefault("dtype", str(plan.dtype).removeprefix("torch."))
-    kwargs.setdefault("max_model_len", plan.max_model_len)
-    kwargs.setdefault("max_num_seqs", plan.max_num_seqs)
-    kwargs.setdefault("max_num_batched_tokens", plan.max_num_batched_tokens)
-    kwargs.setdefault("enable_prefix_caching", False)
-    if plan.tiny:
-        kwargs.setdefault("num_kv_blocks", 1024)
-        kwargs.setdefault("async_scheduling", True)  # as on CUDA, where it is the default
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=plan.device.type, **kwargs))
-    if plan.tiny and engine.async_scheduling:  # greedy decode steps left pending, as on CUDA
-        engine.executor.defer_steps = True
-    return engine
-
-
-def release(*objects) -> None:
-    for obj in objects:
-        if hasattr(obj, "shutdown"):
-            obj.shutdown()
-    del objects
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def runner_of(engine):
-    return engine.executor.worker.runner
-
-
-def weight_bytes(engine) -> int:
-    return sum(p.numel() * p.element_size() for p in runner_of(engine).model.parameters())
-
-
-def kv_bytes_per_token(engine) -> float:
-    runner = runner_of(engine)
-    return runner.kv_bytes_per_block() / runner.block_size
-
-
-def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def decode_steps(engine, prompts, num_steps: int):
-    """Prefill prompts (untimed), then time num_steps steps in which all of them decode.
-    Returns (median step seconds, mean context over the timed steps, each request's tokens)."""
-    from backend.types.sampling_params import SamplingParams
-
-    # Enough tokens that no request ends while others still prefill; aborted afterwards.
-    params = SamplingParams(temperature=0.0, max_tokens=engine.config.max_model_len - max(map(len, prompts)),
-                            ignore_eos=True)
-    ids = [str(i) for i in range(len(prompts))]
-    tokens = {i: [] for i in ids}
-    for i, p in zip(ids, prompts):
-        engine.add_request(i, p, params)
-
-    def step() -> None:
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-
-    while any(not t for t in tokens.values()):  # until every prompt is in and sampled once
-        step()
-    context = statistics.mean(len(p) + len(tokens[i]) for i, p in zip(ids, prompts)) + num_steps / 2
-    times = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    engine.abort_request(ids)
-    for _ in range(4):  # with async scheduling a launched step is still in flight: process it
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
-    assert not engine.has_unfinished_requests() and num_steps < params.max_tokens
-    return statistics.median(times), context, [tokens[i] for i in ids]
-
-
 # ---- phases ------------------------------------------------------------------------------------
 
 def phase_ceilings(plan: Plan, state: dict) -> list[dict]:
@@ -250,49 +121,71 @@ def phase_kernels(plan: Plan, state: dict) -> list[dict]:
 
 
 def phase_logits(plan: Plan, state: dict, tmp: Path) -> list[dict]:
-    """fp32 engine (eager, then CUDA graphs) against HF on the same weights."""
+    """fp32 engine (eager, CUDA graphs, graphs with async scheduling) against HF on the same
+    weights: prompt logprobs and greedy tokens; then the engine in the serving dtype against HF
+    in that dtype (prompt logprobs only: rounding may flip a near tie)."""
     from backend.types.sampling_params import SamplingParams
+
+    def run(engine, prompts, params):
+        got = {str(i): [] for i in range(len(prompts))}
+        prompt_lps = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+                if out.prompt_logprobs is not None:
+                    prompt_lps[out.request_id] = out.prompt_logprobs
+        release(engine)
+        return [got[str(i)] for i in range(len(prompts))], prompt_lps
+
+    def max_logprob_diff(model, prompts, prompt_lps) -> float:
+        diff = 0.0
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                ref = torch.log_softmax(model(torch.tensor([p], device=plan.device)).logits[0].float(), dim=-1)
+                for pos in range(1, len(p)):  # [len, vocab]: row pos - 1 predicts token pos
+                    diff = max(diff, abs(prompt_lps[str(i)][pos][p[pos]].logprob - ref[pos - 1, p[pos]].item()))
+        return diff
 
     rows = []
     for name in CONFIGS:
         model_dir, hf = build_checkpoint(name, tmp / f"{name}-fp32", torch.float32, plan)
         prompts = random_prompts(plan.logit_prompts, hf.config.vocab_size, seed=1)
-        params = SamplingParams(temperature=0.0, max_tokens=plan.greedy_tokens, ignore_eos=True, prompt_logprobs=1)
+        with_prompt_lps = SamplingParams(temperature=0.0, max_tokens=plan.greedy_tokens, ignore_eos=True,
+                                         prompt_logprobs=1)
+        # No prompt logprobs: with async scheduling, decode steps are then left on the device
+        # until the next is queued (the CUDA default), the path serving takes.
+        plain = SamplingParams(temperature=0.0, max_tokens=plan.greedy_tokens, ignore_eos=True)
         runs = {}
-        # Async scheduling (on by default with CUDA) runs each step while the engine processes the last.
-        for mode, eager, pipelined in (("eager", True, False), ("graphs", False, False),
-                                       ("graphs_async", False, True)):
+        for mode, eager, pipelined, params in (("eager", True, False, with_prompt_lps),
+                                               ("graphs", False, False, plain),
+                                               ("graphs_async", False, True, plain)):
             engine = make_engine(model_dir, plan, dtype="float32", enforce_eager=eager, max_num_seqs=8,
                                  async_scheduling=pipelined)
-            got = {str(i): [] for i in range(len(prompts))}
-            prompt_lps = {}
-            for i, p in enumerate(prompts):
-                engine.add_request(str(i), p, params)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    got[out.request_id] += out.new_token_ids
-                    if out.prompt_logprobs is not None:
-                        prompt_lps[out.request_id] = out.prompt_logprobs
-            release(engine)
-            runs[mode] = ([got[str(i)] for i in range(len(prompts))], prompt_lps)
-        max_diff, want = 0.0, []
+            runs[mode] = run(engine, prompts, params)
+        want = []
         with torch.no_grad():
-            for i, p in enumerate(prompts):
+            for p in prompts:
                 ids = torch.tensor([p], device=plan.device)
-                ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)  # [len, vocab]
-                for pos in range(1, len(p)):
-                    lp = runs["eager"][1][str(i)][pos][p[pos]].logprob
-                    max_diff = max(max_diff, abs(lp - ref[pos - 1, p[pos]].item()))
                 greedy = []  # without a KV cache or EOS: what the engine does with ignore_eos
                 for _ in range(plan.greedy_tokens):
                     greedy.append(int(hf(ids).logits[0, -1].argmax()))
                     ids = torch.cat([ids, ids.new_tensor([[greedy[-1]]])], dim=1)
                 want.append(greedy)
-        release(hf)
-        rows.append({"model": name, "dtype": "float32", "max_abs_logprob_diff": max_diff,
+        rows.append({"model": name, "dtype": "float32",
+                     "max_abs_logprob_diff": max_logprob_diff(hf, prompts, runs["eager"][1]),
                      "greedy_equal_eager": runs["eager"][0] == want,
                      "greedy_equal_graphs": runs["graphs"][0] == want,
                      "greedy_equal_graphs_async": runs["graphs_async"][0] == want, "prompts": len(prompts)})
+        # bf16 (the GPU's serving dtype), both sides rounded alike; --tiny too, to rehearse it.
+        engine = make_engine(model_dir, plan, dtype="bfloat16", max_num_seqs=8)
+        tokens, prompt_lps = run(engine, prompts, with_prompt_lps)
+        hf = hf.to(torch.bfloat16)
+        rows.append({"model": name, "dtype": "bfloat16",
+                     "max_abs_logprob_diff": max_logprob_diff(hf, prompts, prompt_lps),
+                     "tokens_as_fp32_hf": tokens == want, "prompts": len(prompts)})
+        release(hf)
     return rows
 
 

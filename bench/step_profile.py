@@ -3,8 +3,10 @@
     python bench/step_profile.py --out /tmp/step_profile.md              # on a GPU: the 1B config
     python bench/step_profile.py --tiny --out /tmp/step_profile.md       # CPU rehearsal, tiny shapes
 
-For each batch size B, B random prompts of --context tokens are prefilled (untimed), then
---steps decode steps are timed three times: plain (wall ms per step), under cProfile (the
+First the wall ms per decode step on an engine with the device's default scheduling (async on
+CUDA), greedy and with temperature sampling. Then, on an engine without async scheduling, for
+each batch size B, B random prompts of --context tokens are prefilled (untimed), and
+--steps greedy decode steps are timed three times: plain (wall ms per step), under cProfile (the
 functions with the most own time, so the host's Python cost shows), and under torch.profiler
 (the device's busy time per step, and the ops that take it). Wall minus device busy is the time
 the device waited on the host. Models are the dummy-weight configs of bench/gpu_check.py.
@@ -30,15 +32,20 @@ if __name__ == "__main__":  # run as a script, bench/ is sys.path[0]: the reposi
 
 import torch
 
-from bench.gpu_check import CONFIGS, Plan, build_checkpoint, make_engine, random_prompts, release
+from bench.gpu_models import CONFIGS, Plan, build_checkpoint, make_engine, random_prompts, release
 
 
-def prefill(engine, prompts) -> list[str]:
+# Sampling of the async wall-time rows: name -> SamplingParams fields (greedy is profiled too).
+SAMPLING = {"greedy": dict(temperature=0.0), "temperature 0.8, top-k 50": dict(temperature=0.8, top_k=50),
+            "temperature 0.8, top-p 0.9": dict(temperature=0.8, top_p=0.9)}
+
+
+def prefill(engine, prompts, sampling: str = "greedy") -> list[str]:
     """Add the prompts and step until each has sampled once; their request IDs."""
     from backend.types.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, ignore_eos=True,
-                            max_tokens=engine.config.max_model_len - max(map(len, prompts)))
+    params = SamplingParams(ignore_eos=True, max_tokens=engine.config.max_model_len - max(map(len, prompts)),
+                            **SAMPLING[sampling])
     ids = [str(i) for i in range(len(prompts))]
     for i, p in zip(ids, prompts):
         engine.add_request(i, p, params)
@@ -56,8 +63,8 @@ def drain(engine, ids) -> None:
         engine.step()
 
 
-def wall_ms_per_step(engine, batch: int, context: int, steps: int, vocab: int) -> float:
-    ids = prefill(engine, random_prompts([context] * batch, vocab, seed=batch))
+def wall_ms_per_step(engine, batch: int, context: int, steps: int, vocab: int, sampling: str = "greedy") -> float:
+    ids = prefill(engine, random_prompts([context] * batch, vocab, seed=batch), sampling)
     for _ in range(3):
         engine.step()
     times = []
@@ -137,8 +144,10 @@ def main(argv=None) -> int:
         engine = make_engine(model_dir, plan, max_num_seqs=max_num_seqs)  # the device's default scheduling
         report.append(f"graphs: {not engine.config.enforce_eager}; wall ms/step (median of {args.steps}) "
                       f"with async scheduling {'on' if engine.async_scheduling else 'off'}:")
-        for batch in batches:
-            report.append(f"- batch {batch}: {wall_ms_per_step(engine, batch, context, args.steps, vocab):.3f}")
+        for sampling in SAMPLING:
+            walls = [f"batch {b}: {wall_ms_per_step(engine, b, context, args.steps, vocab, sampling):.3f}"
+                     for b in batches]
+            report.append(f"- {sampling}: " + ", ".join(walls))
         report.append("")
         release(engine)
         engine = make_engine(model_dir, plan, max_num_seqs=max_num_seqs, async_scheduling=False)
