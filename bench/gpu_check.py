@@ -16,10 +16,12 @@ phase, so a run cut short still leaves what it measured:
 4. graphs: batch-1 decode, eager vs CUDA graphs (tok/s, ratio, same tokens), per config,
    with the step's achieved bandwidth (weights + KV read per step over step time);
 5. sweep: decode batch 1 ... 256 at context ~1,024 (step ms, tok/s, % bandwidth);
-6. nano_vllm: nano-vllm's offline workload (256 sequences, input and output lengths
+6. prefill: the 1B config's time to first token for 1 x 1k, 1 x 8k and 8 x 1k prompt tokens
+   (tok/s, matmul TFLOP/s against the ceiling);
+7. nano_vllm: nano-vllm's offline workload (256 sequences, input and output lengths
    uniform in [100, 1024], EOS ignored) against its bandwidth floor: the time to read,
    at the measured copy rate, the weights once per decode step plus each step's KV;
-7. long_context: the 1B config served at its whole 131,072-token length with CUDA graphs:
+8. long_context: the 1B config served at its whole 131,072-token length with CUDA graphs:
    batch-1 decode at ~1k context against the same at the sweep's max_model_len (the step
    must not grow with max_model_len: the split-KV layout follows the real context), then
    at ~32k context (% bandwidth), with the graphs' capture memory and the KV cache size.
@@ -109,6 +111,7 @@ def phase_ceilings(plan: Plan, state: dict) -> list[dict]:
     a = torch.randn(n, n, device=plan.device, dtype=dtype)
     b = torch.randn(n, n, device=plan.device, dtype=dtype)
     us = time_us(lambda: a @ b, plan.device)
+    state["matmul_tflops"] = 2 * n ** 3 / (us * 1e-6) / 1e12
     return [{"ceiling": "copy (read + write)", "value": copy, "unit": "GB/s"},
             {"ceiling": "read (bf16 sum)", "value": read, "unit": "GB/s"},
             {"ceiling": f"{dtype} matmul {n}^3", "value": 2 * n ** 3 / (us * 1e-6) / 1e12, "unit": "TFLOP/s"}]
@@ -246,6 +249,35 @@ def phase_sweep(plan: Plan, state: dict, tmp: Path, deadline: float) -> list[dic
     return rows
 
 
+def phase_prefill(plan: Plan, state: dict, tmp: Path) -> list[dict]:
+    """Time to the first token of prompts alone in the engine (no prefix-cache hits): one step
+    when the prompts fit max_num_batched_tokens, with the matmul share of its FLOPs against the
+    measured bf16 matmul ceiling (attention's FLOPs not counted)."""
+    from backend.types.sampling_params import SamplingParams
+
+    model_dir, vocab = serving_checkpoint("llama-3.2-1b", plan, state, tmp)
+    engine = make_engine(model_dir, plan)
+    params_per_token = weight_bytes(engine) / plan.dtype.itemsize
+    rows = []
+    for seed, (batch, length) in enumerate([(1, plan.prefill_len), *plan.prefill_shapes]):
+        for attempt in ("warm-up", "timed"):
+            prompts = random_prompts([length] * batch, vocab, seed=2 * seed + (attempt == "timed"))
+            ids = [f"{attempt}-{i}" for i in range(batch)]
+            start = time.perf_counter()
+            for request_id, prompt in zip(ids, prompts):
+                engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+            while engine.has_unfinished_requests():
+                engine.step()
+            elapsed = time.perf_counter() - start
+        tokens = batch * length
+        rows.append({"batch": batch, "prompt": length, "ttft_ms": elapsed * 1e3, "tok_s": tokens / elapsed,
+                     "matmul_tflops": 2 * params_per_token * tokens / elapsed / 1e12,
+                     "pct_matmul_ceiling": 100 * 2 * params_per_token * tokens / elapsed / 1e12
+                     / state["matmul_tflops"]})
+    release(engine)
+    return rows
+
+
 def nano_vllm_workload(num_seqs: int, low: int, high: int, vocab: int, seed: int = 0):
     """nano-vllm's bench: random token IDs < 10,000, input and output lengths uniform in [low, high]."""
     rng = random.Random(seed)
@@ -350,6 +382,7 @@ def main(argv=None) -> int:
                   ("logits", lambda: phase_logits(plan, state, tmp)),
                   ("graphs", lambda: phase_graphs(plan, state, tmp)),
                   ("sweep", lambda: phase_sweep(plan, state, tmp, deadline)),
+                  ("prefill", lambda: phase_prefill(plan, state, tmp)),
                   ("nano_vllm", lambda: phase_nano_vllm(plan, state, tmp)),
                   ("long_context", lambda: phase_long_context(plan, state, tmp))]
         wanted = {p for p in args.phases.split(",") if p}

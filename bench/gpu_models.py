@@ -38,6 +38,9 @@ class Plan:
         self.b1_prompt, self.b1_steps = (8, 6) if tiny else (128, 64)
         self.sweep = [1, 2, 4] if tiny else [1, 2, 4, 8, 16, 32, 64, 128, 256]
         self.sweep_prompt, self.sweep_steps = (48, 3) if tiny else (1008, 16)
+        # prefill: (batch, prompt length) rows after a 1 x prefill_len one
+        self.prefill_len = 40 if tiny else 1024
+        self.prefill_shapes = [(1, 120), (3, 40)] if tiny else [(1, 8192), (8, 1024)]
         self.nano = dict(num_seqs=8, low=10, high=40) if tiny else dict(num_seqs=256, low=100, high=1024)
         self.max_model_len = 256 if tiny else 2304
         self.max_num_seqs = 8 if tiny else 256

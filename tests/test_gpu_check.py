@@ -16,8 +16,8 @@ def test_gpu_check_tiny_runs_every_phase(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     phases = json.loads(out.read_text())["phases"]
-    assert list(phases) == ["ceilings", "kernels", "logits", "graphs", "sweep", "nano_vllm", "long_context",
-                            "total"]
+    assert list(phases) == ["ceilings", "kernels", "logits", "graphs", "sweep", "prefill", "nano_vllm",
+                            "long_context", "total"]
     assert out.with_suffix(".md").read_text().startswith("# gpu_check")
     for name, rows in phases.items():
         assert "error" not in rows, (name, rows)
@@ -34,6 +34,8 @@ def test_gpu_check_tiny_runs_every_phase(tmp_path):
     assert all(r["max_abs_logprob_diff"] < 1e-2 for r in bf16)  # both sides bf16: rounding only
     assert all(r["same_tokens_eager_graphs"] and r["capture_s"] > 0 for r in phases["graphs"])
     assert [r["batch"] for r in phases["sweep"]] == [1, 2, 4] * 2
+    assert [(r["batch"], r["prompt"]) for r in phases["prefill"]] == [(1, 40), (1, 120), (3, 40)]
+    assert all(r["ttft_ms"] > 0 and r["pct_matmul_ceiling"] > 0 for r in phases["prefill"])
     assert all(r["output_tokens"] > 0 and r["pct_of_floor"] > 0 for r in phases["nano_vllm"])
     long_rows = phases["long_context"]
     assert [(r["max_model_len"], r["context"] > 900) for r in long_rows] == [(256, False), (4096, False), (4096, True)]
