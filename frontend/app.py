@@ -1,7 +1,8 @@
 """The HTTP app: the routes, each delegating to its endpoint in ``frontend.serving``.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /invocations, /v1/models,
-/tokenize, /detokenize, /tokenizer_info, OpenAI's Responses API (POST
+Routes: /v1/completions, /v1/chat/completions, /v1/embeddings, vLLM's /pooling, /score (and
+/v1/score) and /rerank (and /v1/rerank, /v2/rerank), /invocations, /v1/models, /tokenize,
+/detokenize, /tokenizer_info, OpenAI's Responses API (POST
 /v1/responses; GET and DELETE /v1/responses/{id}), and Anthropic's /v1/messages and
 /v1/messages/count_tokens, whose errors take Anthropic's shape (all behind
 ``--api-key`` when set), and
@@ -44,12 +45,17 @@ from frontend.serving.invocations import OpenAIServingInvocations
 from frontend.serving.models import OpenAIServingModels
 from frontend.serving.response_store import ResponseStore
 from frontend.serving.responses import OpenAIServingResponses
+from frontend.serving.scoring import OpenAIServingScores
 from frontend.serving.status import ServingStatus, tandem_version
 from frontend.serving.tokenize import OpenAIServingTokenization
 
+# The routes that pool prompts (the embeddings endpoint's engine calls) besides /v1/embeddings.
+SCORE_ROUTES = ("/score", "/v1/score")
+RERANK_ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")
+POOLING_ROUTES = ("/pooling", *SCORE_ROUTES, *RERANK_ROUTES)
 # The routes that queue work on the engine: admission control counts these.
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/messages",
-                               "/v1/responses", "/v1/embeddings"})
+                               "/v1/responses", "/v1/embeddings", *POOLING_ROUTES})
 # The routes open without the API key (probes, metrics, the schema); none takes a body. Every
 # other path, unknown ones included, needs the key when one is set.
 OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
@@ -81,6 +87,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     serving_responses = OpenAIServingResponses(context, serving_chat, response_store)
     serving_tokenization = OpenAIServingTokenization(context)
     serving_embedding = OpenAIServingEmbedding(context)
+    serving_scores = OpenAIServingScores(context, serving_embedding)
     serving_models = OpenAIServingModels(context)
     serving_status = ServingStatus(context, metrics.registry)
     # /openapi.json and /docs describe exactly the request models the routes parse.
@@ -100,6 +107,24 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def create_embeddings(request: P.EmbeddingRequest, raw_request: Request) -> Response:
         """Each input's pooled final hidden states (OpenAI's embeddings API)."""
         return await serving_embedding.create_embedding(request, raw_request)
+
+    @app.post("/pooling", response_model=P.PoolingResponse)
+    async def create_pooling(request: P.PoolingRequest, raw_request: Request) -> Response:
+        """vLLM's pooling API: each input's pooled vector, as /v1/embeddings gives it."""
+        return await serving_embedding.create_pooling(request, raw_request)
+
+    async def create_score(request: P.ScoreRequest, raw_request: Request) -> Response:
+        """vLLM's score API: the cosine similarity of text_1's and text_2's embeddings, per pair."""
+        return await serving_scores.create_score(request, raw_request)
+
+    async def create_rerank(request: P.RerankRequest, raw_request: Request) -> Response:
+        """Jina's and Cohere's rerank API: documents ordered by the cosine of their embeddings with the query's."""
+        return await serving_scores.create_rerank(request, raw_request)
+
+    for path in SCORE_ROUTES:
+        app.add_api_route(path, create_score, methods=["POST"], response_model=P.ScoreResponse)
+    for path in RERANK_ROUTES:
+        app.add_api_route(path, create_rerank, methods=["POST"], response_model=P.RerankResponse)
 
     @app.post("/invocations", response_model=None)
     async def invocations(raw_request: Request) -> Response:

@@ -125,3 +125,25 @@ def test_sdk_errors(client, server):
         client.embeddings.create(model=server[1], input="hello", dimensions=HIDDEN_SIZE + 1)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="hello")
+
+
+@pytest.mark.timeout(300)
+def test_pooling_score_and_rerank_are_built_on_the_same_vectors(server, hf):
+    """/pooling gives /v1/embeddings' vectors; /score and /rerank the cosine of HF's pooled vectors."""
+    base = server[0]
+    embedded = httpx.post(base + "/v1/embeddings", json={"input": TEXTS, "encoding_format": "float"}, timeout=60).json()
+    pooled = httpx.post(base + "/pooling", json={"input": TEXTS}, timeout=60).json()
+    for item, expected in zip(pooled["data"], embedded["data"]):
+        np.testing.assert_allclose(item["data"], expected["embedding"], atol=1e-6, rtol=0)
+    vectors = [hf_vector(hf, hf[0](text)["input_ids"]) for text in TEXTS]  # unit length
+
+    scores = httpx.post(base + "/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS}, timeout=60).json()
+    np.testing.assert_allclose([item["score"] for item in scores["data"]],
+                               [float(vectors[0] @ vector) for vector in vectors], atol=1e-3, rtol=0)
+    assert scores["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+
+    reranked = httpx.post(base + "/v1/rerank", json={"query": TEXTS[1], "documents": TEXTS, "top_n": 2},
+                          timeout=60).json()
+    expected = sorted(range(len(TEXTS)), key=lambda j: -float(vectors[1] @ vectors[j]))[:2]
+    assert [result["index"] for result in reranked["results"]] == expected == [1, expected[1]]
+    assert [result["document"]["text"] for result in reranked["results"]] == [TEXTS[j] for j in expected]

@@ -176,6 +176,14 @@ HTTP_CASES = [
     (EMBED, {"input": "Hi", "encoding_format": "int8"}, 400, "encoding_format"),
     (EMBED, {"input": "Hi", "model": "no-such-model"}, 404, None),
     (EMBED, raw('{"input": "Hi"'), 400, None),
+    # /pooling, /score and /rerank: the embeddings' bounds, named by their own fields
+    ("/pooling", {"input": [[1, 2]] * 1025}, 400, "input"),
+    ("/score", {"text_1": "Hi", "text_2": ["Hi"] * 1025}, 400, "text_2"),
+    ("/score", {"text_1": ["Hi", "Ho"], "text_2": ["Hi"] * 3}, 400, "text_2"),
+    ("/v1/score", {"text_1": "Hello " * 20_000, "text_2": "Hi"}, 400, "text_1"),
+    ("/v1/rerank", {"query": "Hi", "documents": []}, 400, "documents"),
+    ("/v2/rerank", {"query": "Hi", "documents": ["Hi", "Hello " * 20_000]}, 400, "documents"),
+    ("/rerank", {"query": "Hi", "documents": ["Hi"], "use_activation": True}, 400, "use_activation"),
     # a request's chat template is refused unless the server trusts them (--trust-request-chat-template)
     (CHAT, {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),
     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}"}, 400, "chat_template"),

@@ -25,8 +25,11 @@ from frontend.protocol.common import (IGNORED_FIELDS, INT64, UNSUPPORTED_FIELDS,
                                       StructuredOutputsRequest, Unsupported, UsageInfo, created_now)
 from frontend.protocol.completions import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                            CompletionResponseChoice, CompletionStreamResponse)
-from frontend.protocol.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from frontend.protocol.embeddings import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, PoolingData,
+                                          PoolingRequest, PoolingResponse)
 from frontend.protocol.models import ModelCard, ModelList
+from frontend.protocol.scoring import (CROSS_ENCODER_FIELDS, RerankDocument, RerankRequest, RerankResponse, RerankResult,
+                                       ScoreData, ScoreRequest, ScoreResponse)
 from frontend.protocol.status import LoadResponse, VersionResponse
 from frontend.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                         TokenizerInfoResponse)
@@ -43,4 +46,7 @@ __all__ = [
     "DetokenizeRequest", "DetokenizeResponse", "TokenizeRequest", "TokenizeResponse", "TokenizerInfoResponse",
     "ModelCard", "ModelList", "LoadResponse", "VersionResponse",
     "EmbeddingData", "EmbeddingRequest", "EmbeddingResponse", "EmbeddingUsage",
+    "PoolingData", "PoolingRequest", "PoolingResponse",
+    "CROSS_ENCODER_FIELDS", "RerankDocument", "RerankRequest", "RerankResponse", "RerankResult", "ScoreData",
+    "ScoreRequest", "ScoreResponse",
 ]

@@ -1,4 +1,4 @@
-"""/v1/embeddings (OpenAI's, with vLLM's extensions): the request and response bodies."""
+"""/v1/embeddings (OpenAI's, with vLLM's extensions) and vLLM's /pooling: the request and response bodies."""
 
 from __future__ import annotations
 
@@ -43,4 +43,25 @@ class EmbeddingResponse(ResponseModel):
     created: int = Field(default_factory=created_now)
     model: str
     data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: the embeddings body; ``task`` is only ``embed`` (the one pooling task served)."""
+
+    task: Optional[Literal["embed"]] = None
+
+
+class PoolingData(ResponseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: Union[list[float], str]  # floats, or base64 of little-endian float32 bytes
+
+
+class PoolingResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=created_now)
+    model: str
+    data: list[PoolingData]
     usage: EmbeddingUsage

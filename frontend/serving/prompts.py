@@ -147,7 +147,7 @@ class PromptRenderer:
                 prompts.append(Prompt(None, list(item)))
             if not prompts[-1].token_ids:
                 raise InvalidRequestError(f"The {param} is empty." if param == "prompt"
-                                          else f"An {param} is empty (no tokens).", param=param)
+                                          else f"{param} holds an empty input (no tokens).", param=param)
         return prompts
 
     def truncate(self, prompt: Prompt, keep: Optional[int]) -> Prompt:
