@@ -142,13 +142,23 @@ def phase_logits(plan: Plan, state: dict, tmp: Path) -> list[dict]:
         release(engine)
         return [got[str(i)] for i in range(len(prompts))], prompt_lps
 
-    def max_logprob_diff(model, prompts, prompt_lps) -> float:
-        diff = 0.0
+    def prompt_logprobs_of(model, prompts) -> dict:
+        """HF's prompt logprobs in the engine's layout: request ID -> [None, {token: logprob}, ...]."""
+        out = {}
         with torch.no_grad():
             for i, p in enumerate(prompts):
                 ref = torch.log_softmax(model(torch.tensor([p], device=plan.device)).logits[0].float(), dim=-1)
-                for pos in range(1, len(p)):  # [len, vocab]: row pos - 1 predicts token pos
-                    diff = max(diff, abs(prompt_lps[str(i)][pos][p[pos]].logprob - ref[pos - 1, p[pos]].item()))
+                # [len, vocab]: row pos - 1 predicts token pos
+                out[str(i)] = [None] + [{p[pos]: ref[pos - 1, p[pos]].item()} for pos in range(1, len(p))]
+        return out
+
+    def max_diff(reference: dict, prompt_lps: dict) -> float:
+        diff = 0.0
+        for request_id, positions in reference.items():
+            for pos, want in enumerate(positions[1:], start=1):
+                (token, value), = want.items()
+                got = prompt_lps[request_id][pos][token]
+                diff = max(diff, abs((got.logprob if hasattr(got, "logprob") else got) - value))
         return diff
 
     rows = []
@@ -177,16 +187,20 @@ def phase_logits(plan: Plan, state: dict, tmp: Path) -> list[dict]:
                     ids = torch.cat([ids, ids.new_tensor([[greedy[-1]]])], dim=1)
                 want.append(greedy)
         rows.append({"model": name, "dtype": "float32",
-                     "max_abs_logprob_diff": max_logprob_diff(hf, prompts, runs["eager"][1]),
+                     "max_abs_logprob_diff": max_diff(prompt_logprobs_of(hf, prompts), runs["eager"][1]),
                      "greedy_equal_eager": runs["eager"][0] == want,
                      "greedy_equal_graphs": runs["graphs"][0] == want,
                      "greedy_equal_graphs_async": runs["graphs_async"][0] == want, "prompts": len(prompts)})
-        # bf16 (the GPU's serving dtype), both sides rounded alike; --tiny too, to rehearse it.
+        # bf16 (the GPU's serving dtype; --tiny too, to rehearse it): the engine's error against
+        # fp32 HF beside HF's own in bf16 (the rounding a bf16 model cannot avoid).
         engine = make_engine(model_dir, plan, dtype="bfloat16", max_num_seqs=8)
         tokens, prompt_lps = run(engine, prompts, with_prompt_lps)
+        fp32_lps = prompt_logprobs_of(hf, prompts)
         hf = hf.to(torch.bfloat16)
+        hf_lps = prompt_logprobs_of(hf, prompts)
         rows.append({"model": name, "dtype": "bfloat16",
-                     "max_abs_logprob_diff": max_logprob_diff(hf, prompts, prompt_lps),
+                     "max_abs_logprob_diff": max_diff(fp32_lps, prompt_lps),
+                     "hf_bf16_max_abs_logprob_diff": max_diff(fp32_lps, hf_lps),
                      "tokens_as_fp32_hf": tokens == want, "prompts": len(prompts)})
         release(hf)
     return rows
@@ -256,7 +270,9 @@ def phase_prefill(plan: Plan, state: dict, tmp: Path) -> list[dict]:
     from backend.types.sampling_params import SamplingParams
 
     model_dir, vocab = serving_checkpoint("llama-3.2-1b", plan, state, tmp)
-    engine = make_engine(model_dir, plan)
+    longest = max(length for _, length in plan.prefill_shapes)
+    engine = make_engine(model_dir, plan, max_model_len=longest + plan.block_size,
+                         max_num_batched_tokens=max(longest, plan.max_num_batched_tokens))
     params_per_token = weight_bytes(engine) / plan.dtype.itemsize
     rows = []
     for seed, (batch, length) in enumerate([(1, plan.prefill_len), *plan.prefill_shapes]):

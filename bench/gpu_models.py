@@ -40,9 +40,10 @@ class Plan:
         self.sweep_prompt, self.sweep_steps = (48, 3) if tiny else (1008, 16)
         # prefill: (batch, prompt length) rows after a 1 x prefill_len one
         self.prefill_len = 40 if tiny else 1024
-        self.prefill_shapes = [(1, 120), (3, 40)] if tiny else [(1, 8192), (8, 1024)]
+        self.prefill_shapes = [(1, 300), (3, 40)] if tiny else [(1, 8192), (8, 1024)]  # past max_model_len
         self.nano = dict(num_seqs=8, low=10, high=40) if tiny else dict(num_seqs=256, low=100, high=1024)
         self.max_model_len = 256 if tiny else 2304
+        self.block_size = 16
         self.max_num_seqs = 8 if tiny else 256
         self.max_num_batched_tokens = 128 if tiny else 8192
         # long_context: the long engine's max_model_len and the (short, long) decode contexts.

@@ -140,12 +140,10 @@ class SimulatedDevice:
             self.wait(self.free_at)  # the synchronous path reads the tokens of the step just queued
             return sample(*args, **kwargs)
 
-        def launch_marking_its_end(sched, defer):
-            ends_at = None
-            step = launch(sched, defer)
+        def launch_marking_its_end(sched, defer, greedy=False):
+            step = launch(sched, defer, greedy)
             if isinstance(step, DeferredStep):
-                ends_at = self.free_at
-                step.simulated_end = ends_at
+                step.simulated_end = self.free_at
             return step
 
         def read_when_done(step):

@@ -205,11 +205,13 @@ def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_be
 
     drawn = []  # deferred steps with a temperature-sampled sequence
 
-    def spying_launch(sched, defer):
+    def spying_launch(sched, defer, greedy=False):
         events.append("launch-deferred" if defer else "run")
         if defer and any(not s.sampling_params.greedy for s in sched.scheduled):
             drawn.append(len(events))
-        return launch(sched, defer)
+        if defer:  # greedy: every token an argmax (deferral's finding), checked here
+            assert greedy == all(s.sampling_params.greedy for s in sched.scheduled)
+        return launch(sched, defer, greedy)
 
     def spying_read(step):
         events.append("read")

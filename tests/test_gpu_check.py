@@ -31,10 +31,11 @@ def test_gpu_check_tiny_runs_every_phase(tmp_path):
     assert all(r["greedy_equal_eager"] and r["greedy_equal_graphs"] and r["greedy_equal_graphs_async"]
                and r["max_abs_logprob_diff"] < 1e-3 for r in fp32)
     bf16 = [r for r in phases["logits"] if r["dtype"] == "bfloat16"]
-    assert all(r["max_abs_logprob_diff"] < 1e-2 for r in bf16)  # both sides bf16: rounding only
+    # Against fp32 HF: the engine's bf16 error is of the size of HF's own in bf16.
+    assert all(r["max_abs_logprob_diff"] < max(3 * r["hf_bf16_max_abs_logprob_diff"], 1e-2) for r in bf16)
     assert all(r["same_tokens_eager_graphs"] and r["capture_s"] > 0 for r in phases["graphs"])
     assert [r["batch"] for r in phases["sweep"]] == [1, 2, 4] * 2
-    assert [(r["batch"], r["prompt"]) for r in phases["prefill"]] == [(1, 40), (1, 120), (3, 40)]
+    assert [(r["batch"], r["prompt"]) for r in phases["prefill"]] == [(1, 40), (1, 300), (3, 40)]
     assert all(r["ttft_ms"] > 0 and r["pct_matmul_ceiling"] > 0 for r in phases["prefill"])
     assert all(r["output_tokens"] > 0 and r["pct_of_floor"] > 0 for r in phases["nano_vllm"])
     long_rows = phases["long_context"]

@@ -11,7 +11,7 @@ from backend.executor.base import Executor
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import SchedulerOutput
 from backend.types.config import EngineConfig
-from backend.worker.deferred_step import DeferredStep, can_defer
+from backend.worker.deferred_step import GREEDY, DeferredStep, deferral
 from backend.worker.worker import Worker
 
 
@@ -19,7 +19,7 @@ class UniExecutor(Executor):
     """With async scheduling, steps run on one thread of their own, in launch order, while the
     engine's thread schedules the next and processes the last (torch releases the GIL).
 
-    On CUDA a plain greedy decode step (``can_defer``) is launched and left on the device: its future
+    On CUDA a plain decode step (``deferral``) is launched and left on the device: its future
     is resolved once the next step has been queued behind it (or on ``flush``), so the device
     never waits for the host to read one step's tokens and prepare the next. Any other step
     first resolves the one left pending, then runs and resolves at once."""
@@ -59,12 +59,13 @@ class UniExecutor(Executor):
         return self._step_thread
 
     def _run_step(self, sched: SchedulerOutput, result: Future) -> None:  # on the step thread
-        if not (self.defer_steps and can_defer(sched)):
+        kind = deferral(sched) if self.defer_steps else None
+        if kind is None:
             self._read_pending()
             _settle(result, lambda: self.worker.execute_model(sched))
             return
         try:
-            step = self.worker.launch(sched)
+            step = self.worker.launch(sched, greedy=kind == GREEDY)
         except BaseException as error:  # noqa: BLE001 -- handed to the engine through the future
             self._read_pending()
             result.set_exception(error)

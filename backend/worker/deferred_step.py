@@ -5,34 +5,44 @@ its kernels are queued, its tokens are copied into pinned memory behind them, an
 marks the copy. The next step is prepared and queued meanwhile (its placeholder tokens are
 gathered from ``tokens`` on the device, backend/worker/step_inputs.py); ``read`` waits for the
 event (the GIL released) and completes the step's output. Only plain decode steps are
-deferred (``can_defer``): anything that needs a step's tokens on the host before the next
+deferred (``deferral``): anything that needs a step's tokens on the host before the next
 step runs, or reads the device while sampling, runs as before.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import SchedulerOutput
-from backend.types.sampling_params import SamplingParams
 
 
-def can_defer(sched: SchedulerOutput) -> bool:
-    """Every sequence decodes one token, greedy or drawn (temperature, top-k, min-p, seeds), and
-    nothing needs it on the host before the next step: no logprobs, penalties, logit_bias,
-    min_tokens, grammar, drafts or pooling, and no top-p (its wide-nucleus fallback reads the
-    device)."""
-    return bool(sched.scheduled) and sched.grammar is None and all(
-        s.needs_sample and len(s.token_ids) == 1 and not s.num_draft_tokens
-        and _deferrable(s.sampling_params) for s in sched.scheduled)
+GREEDY, DRAWN = "greedy", "drawn"
 
 
-def _deferrable(params: SamplingParams) -> bool:
-    if params.prompt_logprobs is not None or params.pooling is not None:
-        return False
-    return params.argmax_only or (not params.wants_logprobs and not params.has_penalties and not params.logit_bias
-                                  and params.min_tokens == 0 and params.top_p >= 1.0)
+def deferral(sched: SchedulerOutput) -> Optional[str]:
+    """Whether the step can be deferred: every sequence decodes one token, greedy or drawn
+    (temperature, top-k, min-p, seeds), and nothing needs it on the host before the next step:
+    no logprobs, penalties, logit_bias, min_tokens, grammar, drafts or pooling, and no top-p
+    (its wide-nucleus fallback reads the device). GREEDY: every token is its logits' argmax;
+    DRAWN: some are drawn; None: not deferrable."""
+    if not sched.scheduled or sched.grammar is not None:
+        return None
+    kind = GREEDY
+    for s in sched.scheduled:
+        if not s.needs_sample or len(s.token_ids) != 1 or s.num_draft_tokens:
+            return None
+        params = s.sampling_params
+        if params.prompt_logprobs is not None or params.pooling is not None:
+            return None
+        if not params.argmax_only:
+            if (params.greedy or params.wants_logprobs or params.has_penalties or params.logit_bias
+                    or params.min_tokens or params.top_p < 1.0):
+                return None
+            kind = DRAWN
+    return kind
 
 
 class DeferredStep:

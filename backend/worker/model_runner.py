@@ -237,9 +237,10 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, defer: bool) -> ModelRunnerOutput | DeferredStep:
-        """Run one step. defer (only where ``can_defer(sched)``): return once its kernels are
-        queued, its tokens still on the device, as a ``DeferredStep`` for ``read``."""
+    def launch(self, sched: SchedulerOutput, defer: bool, greedy: bool = False) -> ModelRunnerOutput | DeferredStep:
+        """Run one step. defer (only where ``deferral(sched)`` allows): return once its kernels
+        are queued, its tokens still on the device, as a ``DeferredStep`` for ``read``; greedy:
+        ``deferral`` found every token an argmax (no sampling rows to build)."""
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
             self.last_sampled.pop(request_id, None)
@@ -270,10 +271,13 @@ class ModelRunner:
             except Exception as error:  # noqa: BLE001 -- this request's alone (see _request_failure)
                 out.failed[s.request_id] = _request_failure(error, "prompt logprobs")
 
-        if defer:  # can_defer: one row per sequence, the logits' rows in order, nothing read back
-            rows = [self._sampling_row(s, 0, {}) for s, _, _ in inputs.sample_rows]
-            self.pending = DeferredStep(out, [s.request_id for s, _, _ in inputs.sample_rows],
-                                        self.sampler.sample_on_device(logits, rows))
+        if defer:  # deferral: one row per sequence, the logits' rows in order, nothing read back
+            if greedy:
+                tokens = kernels.argmax_rows(logits)
+            else:
+                tokens = self.sampler.sample_on_device(logits, [self._sampling_row(s, 0, {})
+                                                                for s, _, _ in inputs.sample_rows])
+            self.pending = DeferredStep(out, [s.request_id for s, _, _ in inputs.sample_rows], tokens)
             return self.pending
         if inputs.sample_rows:
             index = [i for _, i, _ in inputs.sample_rows]

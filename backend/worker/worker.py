@@ -84,9 +84,9 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
 
-    def launch(self, sched: SchedulerOutput) -> DeferredStep:
-        """A step that ``can_defer``: queued, its tokens read later by ``read``."""
-        step = self.runner.launch(sched, defer=True)
+    def launch(self, sched: SchedulerOutput, greedy: bool) -> DeferredStep:
+        """A step that ``deferral`` allows: queued, its tokens read later by ``read``."""
+        step = self.runner.launch(sched, defer=True, greedy=greedy)
         assert isinstance(step, DeferredStep)
         return step
 
