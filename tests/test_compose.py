@@ -51,11 +51,33 @@ def test_the_cpu_variant_is_the_gpu_stack_without_the_gpu():
     devices = gpu_backend.pop("deploy")["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert "deploy" not in cpu_backend
+    assert "CPU_KERNEL_LEVELS" not in gpu_backend["build"]["args"]  # a CUDA backend never builds them
+    cpu_backend["build"]["args"].pop("CPU_KERNEL_LEVELS")
     for backend in (gpu_backend, cpu_backend):
         for differs in ("BASE", "PIP_ARGS"):
             backend["build"]["args"].pop(differs)
         backend.pop("image")
     assert gpu_backend == cpu_backend
+
+
+def test_the_cpu_backend_image_carries_the_kernels_prebuilt_for_every_isa_level():
+    """compose.cpu.yaml asks for every level; the Dockerfile compiles them in its build stage (which
+    has or installs g++) into the directory the kernels look in first, and that goes on into the
+    final image, which has no compiler (tests/test_kernel_isa_levels.py runs the build command)."""
+    from tandem_kernels.isa import LEVELS
+
+    levels = load("compose.cpu.yaml")["services"]["backend"]["build"]["args"]["CPU_KERNEL_LEVELS"]
+    assert levels.split(",") == [level.name for level in LEVELS]
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    build_stage, _, final_stage = dockerfile.partition("\nFROM ${BASE}\n")
+    assert "ARG CPU_KERNEL_LEVELS=\n" in build_stage  # empty by default: frontend and GPU images skip it
+    assert "apt-get install -y -qq --no-install-recommends g++" in build_stage
+    assert ('-m tandem_kernels.build \\\n            --levels "${CPU_KERNEL_LEVELS}" --out /opt/tandem/kernels'
+            in build_stage)
+    kernels_src = (REPO_ROOT / "kernels" / "tandem_kernels" / "build.py").read_text()
+    assert 'DEFAULT_PREBUILT_DIR = "/opt/tandem/kernels"' in kernels_src  # where the image's are found
+    assert "COPY --from=build /opt/tandem /opt/tandem\n" in final_stage
+    assert "g++" not in final_stage and "apt-get" not in final_stage
 
 
 @pytest.mark.parametrize("name", COMPOSE_FILES)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tandem_kernels.cpu as cpu
-from tandem_kernels import reference
+from tandem_kernels import build, isa, reference
 
 cpu.available()  # build or load the kernels (the launchers below assume they are loaded)
 
@@ -28,25 +28,30 @@ def test_kernels_are_built():
 
 
 def test_editing_any_kernel_file_rebuilds(tmp_path, monkeypatch):
-    """The cached library's path is keyed on every source and header (an edit, or a file added,
-    gives another path, so the next start builds), and on nothing that an edit undone changes."""
-    csrc = shutil.copytree(cpu.CSRC, tmp_path / "csrc")
-    monkeypatch.setattr(cpu, "CSRC", csrc)
-    compiler = cpu._compiler()
-    base = cpu.library_path(compiler)
+    """The libraries' names (prebuilt and cached) are keyed on every source and header (an edit, or a
+    file added, gives another name, so the next start builds), and on nothing that an edit undone changes."""
+    csrc = shutil.copytree(build.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(build, "CSRC", csrc)
+    compiler = build.compiler()
+    level = isa.LEVELS[0]
+
+    def names():
+        return build.library_name(level), build.cached_library(level, compiler).name
+
+    base = names()
     files = sorted(csrc.iterdir())
     assert {"registration.cpp", "ops.h", "simd.h", "amx_linear.cpp"} <= {f.name for f in files}
-    assert [f.name for f in cpu._sources()] == sorted(f.name for f in files if f.suffix == ".cpp")
-    paths = set()
+    assert [f.name for f in build.sources()] == sorted(f.name for f in files if f.suffix == ".cpp")
+    seen = set()
     for f in files:
         text = f.read_text()
         f.write_text(text + "\n// edited\n")
-        paths.add(cpu.library_path(compiler))
+        seen.add(names())
         f.write_text(text)
-    assert base not in paths and len(paths) == len(files)
-    assert cpu.library_path(compiler) == base
+    assert base not in seen and len(seen) == len(files)
+    assert names() == base
     (csrc / "added.h").write_text("#pragma once\n")
-    assert cpu.library_path(compiler) != base
+    assert names()[0] != base[0] and names()[1] != base[1]
 
 
 def _batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):

@@ -1,18 +1,22 @@
 """The fused CPU kernels (``csrc/``: one C++ file per op family, with ``amx_linear.cpp`` for
-CPUs with AMX): built once per machine, into one library, then loaded.
+CPUs with AMX), found or built for this CPU's ISA level, then loaded.
 
-The first call of ``available()`` compiles each source with the system's C++ compiler against
-the installed torch, side by side (as many at once as this process may use cores: ~30 s on 2
-idle cores, the longest unit's ~12 s on 5 or more), and links them into one library in
-``$TANDEM_KERNEL_CACHE`` (default ``~/.cache/tandem/kernels``; like torch's extension cache it is
-per user, not per model cache) under a key of every source and header in ``csrc/``, torch's
-version, the compiler and this CPU's flags, so later processes just load it and editing any file
-rebuilds. Concurrent builders each write a temporary file and rename it into place. The engine
-calls it at start-up, so no request ever waits for a build.
+The first call of ``available()`` picks this CPU's level (``tandem_kernels.isa``: avx2, avx512 or
+amx, the highest whose every feature /proc/cpuinfo lists; ``TANDEM_CPU_KERNEL_LEVEL`` may choose a
+lower one) and loads the library for it (``tandem_kernels.build`` names and builds them), the
+first found of:
 
-When no compiler is found or the build fails, a warning says why and every op
-falls back to ``tandem_kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0``
-turns the fused kernels off on purpose (for comparisons).
+1. the prebuilt one in ``$TANDEM_PREBUILT_KERNELS`` (default /opt/tandem/kernels; images carry
+   every level there, so nothing is compiled at run time);
+2. this user's cached build in ``$TANDEM_KERNEL_CACHE`` (default ~/.cache/tandem/kernels);
+3. a new build into that cache with the system's C++ compiler ($CXX, else c++ or g++; ~30 s on 2
+   idle cores), keyed so that later processes just load it and editing any file in csrc/ rebuilds;
+4. where there is no compiler or the build fails: a prebuilt lower level, with a warning.
+
+The engine calls it at start-up, so no request ever waits for a build. When none of these works
+(or the CPU is below avx2, or not x86-64), a warning says why and every op falls back to
+``tandem_kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0`` turns the fused
+kernels off on purpose (for comparisons).
 
 The launchers below allocate outputs and return what the reference returns;
 the C++ side checks shapes, strides and dtypes.
@@ -20,135 +24,112 @@ the C++ side checks shapes, strides and dtypes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import sysconfig
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from tandem_kernels import build
+from tandem_kernels.isa import LEVELS, IsaLevel, highest_level, host_cpu_flags, level_named, missing_flags
+
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")  # every .cpp and .h here is part of the build and its key
-_COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
-_state: dict = {}  # "ok": bool once decided, "error": why not
+_state: dict = {}  # "ok": bool once decided, "error": why not, "library" and "level" once loaded
 
 
-def _compiler() -> Optional[str]:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-
-
-def _cpu_flags() -> str:
+def host_level() -> Optional[IsaLevel]:
+    """The level the kernels are built for here: this CPU's highest, or the lower one that
+    ``TANDEM_CPU_KERNEL_LEVEL`` names (a level this CPU cannot run is refused: ValueError)."""
+    flags = host_cpu_flags()
+    choice = os.environ.get("TANDEM_CPU_KERNEL_LEVEL", "auto")
+    if choice == "auto":
+        return highest_level(flags)
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
+        level = level_named(choice)
+    except ValueError as error:
+        raise ValueError(f"TANDEM_CPU_KERNEL_LEVEL: {error} (or auto)") from None
+    if missing := missing_flags(level, flags):
+        raise ValueError(f"TANDEM_CPU_KERNEL_LEVEL={choice}: this CPU cannot run it (it lacks "
+                         f"{', '.join(missing)}); choose a lower level or auto")
+    return level
 
 
-def _sources() -> list[Path]:
-    """The translation units: each compiled on its own, all linked into one library."""
-    return sorted(CSRC.glob("*.cpp"))
+def _below_avx2_reason() -> str:
+    flags = host_cpu_flags()
+    if "avx2" not in flags and "sse2" not in flags:
+        return "this CPU is not x86-64: the kernels are built for x86-64 ISA levels only"
+    return (f"this CPU is below the lowest ISA level the kernels are built for, avx2 (x86-64-v3): "
+            f"it lacks {', '.join(missing_flags(LEVELS[0], flags))}")
 
 
-def _build_files() -> list[Path]:
-    """What the build reads from csrc/: the sources and the headers they include."""
-    return sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])
+def _lower_prebuilt(level: IsaLevel) -> Optional[tuple[Path, IsaLevel]]:
+    for lower in reversed(LEVELS[:LEVELS.index(level)]):
+        path = build.prebuilt_dir() / build.library_name(lower)
+        if path.exists():
+            return path, lower
+    return None
 
 
-def _compile_command(compiler: str, source: Path, obj: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [compiler, *_COMPILE_FLAGS, abi, *includes, f"-I{sysconfig.get_paths()['include']}",
-            "-c", str(source), "-o", str(obj)]
-
-
-def _link_command(compiler: str, objs: list[Path], output: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    lib_dir = cpp_extension.library_paths()[0]
-    return [compiler, *_LINK_FLAGS, *map(str, objs), "-o", str(output), f"-L{lib_dir}", "-lc10",
-            "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
-
-
-def library_path(compiler: str) -> Path:
-    """Where the build for these sources and headers, torch, compiler and CPU lives: any change to
-    a file in csrc/ (or a file added, removed or renamed) gives another path, so a rebuild."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    files = [f"{path.name}\0{path.read_text()}" for path in _build_files()]
-    key = hashlib.sha256("\0".join([*files, torch.__version__, version, _cpu_flags(),
-                                     " ".join(_COMPILE_FLAGS + _LINK_FLAGS)]).encode()).hexdigest()[:16]
-    base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
-    return base / f"tandem_cpu_ops-{key}.so"
-
-
-def _usable_cores() -> int:
+def _find_or_build(level: IsaLevel) -> tuple[Path, IsaLevel, str]:
+    """(library, its level, how it was found). Raises RuntimeError or OSError saying why none."""
+    prebuilt = build.prebuilt_dir() / build.library_name(level)
+    if prebuilt.exists():
+        return prebuilt, level, "loaded the prebuilt"
+    cxx = build.compiler()
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _run(command: list[str]) -> None:
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the compiler failed:\n{proc.stderr[-2000:]}")
-
-
-def _build(compiler: str) -> tuple[Path, bool]:
-    """The library for these sources, and whether this call built it (else it was cached)."""
-    output = library_path(compiler)
-    if output.exists():
-        return output, False
-    output.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("Building Tandem's CPU kernels with %s (once per machine and version: ~30 s on 2 cores) "
-                "into %s ...", Path(compiler).name, output.parent)
-    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
-        sources = _sources()
-        objs = [Path(tmp) / f"{source.stem}.o" for source in sources]
-        # Each translation unit parses torch's headers (~7 s) on its own, so they compile side by side.
-        with ThreadPoolExecutor(max_workers=min(len(sources), _usable_cores())) as pool:
-            list(pool.map(_run, [_compile_command(compiler, s, o) for s, o in zip(sources, objs)]))
-        tmp_out = Path(tmp) / output.name
-        _run(_link_command(compiler, objs, tmp_out))
-        os.replace(tmp_out, output)
-    return output, True
+        if cxx is None or shutil.which(cxx) is None:
+            raise RuntimeError(f"no prebuilt {level.name} library in {prebuilt.parent} and no C++ compiler "
+                               f"({'CXX=' + cxx + ' is not found' if cxx else 'set CXX or install g++'})")
+        cached = build.cached_library(level, cxx)
+        if cached.exists():
+            return cached, level, "loaded the cached"
+        logger.info("Building Tandem's CPU kernels for %s with %s (once per machine and version: ~30 s on "
+                    "2 cores) into %s ...", level.name, Path(cxx).name, cached.parent)
+        build.build(level, cxx, cached)
+        return cached, level, "built and loaded the"
+    except (RuntimeError, OSError) as error:
+        if (lower := _lower_prebuilt(level)) is None:
+            raise
+        logger.warning("CPU kernels: %s; using the prebuilt %s library (slower on this CPU).", error,
+                       lower[1].name)
+        return lower[0], lower[1], "loaded the prebuilt"
 
 
 def available() -> bool:
-    """True once the fused kernels are loaded (building them on first use)."""
+    """True once the fused kernels are loaded (building them on first use where need be)."""
     if "ok" not in _state:
+        off = os.environ.get("TANDEM_CPU_KERNELS", "1") == "0"
+        level = None if off else host_level()  # a refused TANDEM_CPU_KERNEL_LEVEL raises, every call
         _state["ok"] = False
-        if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        if off:
             _state["error"] = "turned off by TANDEM_CPU_KERNELS=0"
-        elif (compiler := _compiler()) is None:
-            _state["error"] = "no C++ compiler (set CXX or install g++)"
+        elif level is None:
+            _state["error"] = _below_avx2_reason()
         else:
             start = time.monotonic()
             try:
-                library, built = _build(compiler)
+                library, level, how = _find_or_build(level)
                 torch.ops.load_library(str(library))
-                _state["ok"] = True
+                _state.update(ok=True, library=library, level=level)
                 # The backend's start-up phase line (backend/types/startup_log.py), written here
                 # because the kernels import nothing of the backend.
-                logger.info("[start-up] CPU kernels: %s %s (%.1f s)", "built and loaded" if built else
-                            "loaded the cached build", library, time.monotonic() - start)
+                logger.info("[start-up] CPU kernels: %s %s build %s (%.1f s)", how, level.name, library,
+                            time.monotonic() - start)
             except (RuntimeError, OSError) as error:
                 _state["error"] = str(error)
         if not _state["ok"]:
             logger.warning("Fused CPU kernels unavailable (%s); using the plain-torch path.",
                            _state["error"])
     return _state["ok"]
+
+
+def loaded_library() -> Optional[tuple[Path, IsaLevel]]:
+    """(the loaded library, its ISA level) once ``available()`` loaded one, else None."""
+    return (_state["library"], _state["level"]) if available() else None
 
 
 def unavailable_reason() -> Optional[str]:

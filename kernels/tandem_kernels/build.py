@@ -1,0 +1,175 @@
+"""Building the fused CPU kernels (``csrc/``) for one ISA level (``tandem_kernels.isa``), and the
+names the libraries go by; ``tandem_kernels.cpu`` finds or builds and loads them.
+
+Each source compiles on its own (side by side, as many as this process may use cores) with the
+level's explicit target flags and ``-mtune=generic``, never ``-march=native``, so the library
+runs on every CPU of its level, whichever machine built it. The objects link into one library.
+
+Two places hold libraries, under names that change with any file in ``csrc/`` (edited, added,
+removed or renamed), torch's version and the level:
+
+    prebuilt  ``$TANDEM_PREBUILT_KERNELS`` (default /opt/tandem/kernels), read-only, searched
+              first: ``tandem_cpu_ops-<level>-<key>.so``, no compiler needed to find it (images)
+    cache     ``$TANDEM_KERNEL_CACHE`` (default ~/.cache/tandem/kernels), per user: the same key
+              and the compiler's version, built on first use where a compiler is found
+
+Prebuild for images (a level this machine cannot run still compiles; it is not run here):
+
+    python -m tandem_kernels.build --levels avx2,avx512,amx --out /opt/tandem/kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tandem_kernels.isa import LEVELS, IsaLevel, host_cpu_flags, level_named, missing_flags
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")  # every .cpp and .h here is part of the build and its key
+DEFAULT_PREBUILT_DIR = "/opt/tandem/kernels"
+_COMPILE_FLAGS = ["-O3", "-mtune=generic", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
+
+
+def compiler() -> Optional[str]:
+    """$CXX as given (even where it does not exist: the build then says so), else c++ or g++."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def sources() -> list[Path]:
+    """The translation units: each compiled on its own, all linked into one library."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def build_files() -> list[Path]:
+    """What the build reads from csrc/: the sources and the headers they include."""
+    return sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])
+
+
+def compile_command(cxx: str, level: IsaLevel, source: Path, obj: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [cxx, *_COMPILE_FLAGS, *level.compile_flags, abi, *includes,
+            f"-I{sysconfig.get_paths()['include']}", "-c", str(source), "-o", str(obj)]
+
+
+def link_command(cxx: str, objs: list[Path], output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    lib_dir = cpp_extension.library_paths()[0]
+    return [cxx, *_LINK_FLAGS, *map(str, objs), "-o", str(output), f"-L{lib_dir}", "-lc10",
+            "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def build_key(level: IsaLevel) -> str:
+    """Of every file in csrc/ (names and contents), torch's version, the level and the flags:
+    nothing of the machine, so a build made elsewhere for this level is found here."""
+    files = [f"{path.name}\0{path.read_text()}" for path in build_files()]
+    return _digest(*files, torch.__version__, level.name, " ".join(
+        [*_COMPILE_FLAGS, *level.compile_flags, *_LINK_FLAGS]))
+
+
+def library_name(level: IsaLevel) -> str:
+    """The prebuilt library's file name (in ``prebuilt_dir()`` or a build's --out)."""
+    return f"tandem_cpu_ops-{level.name}-{build_key(level)}.so"
+
+
+def prebuilt_dir() -> Path:
+    return Path(os.environ.get("TANDEM_PREBUILT_KERNELS") or DEFAULT_PREBUILT_DIR).expanduser()
+
+
+def cached_library(level: IsaLevel, cxx: str) -> Path:
+    """Where this machine's own build for the level lives: the prebuilt key plus the compiler's
+    version (raises OSError where the compiler cannot be run)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
+    return base / f"tandem_cpu_ops-{level.name}-{_digest(build_key(level), version)}.so"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _run(command: list[str]) -> None:
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the compiler failed:\n{proc.stderr[-2000:]}")
+
+
+def build(level: IsaLevel, cxx: str, output: Path) -> None:
+    """Compiles and links the library for ``level`` into ``output``; concurrent builders each
+    write a temporary file and rename it into place. Raises RuntimeError or OSError."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        units = sources()
+        objs = [Path(tmp) / f"{source.stem}.o" for source in units]
+        # Each translation unit parses torch's headers (~7 s) on its own, so they compile side by side.
+        with ThreadPoolExecutor(max_workers=min(len(units), _usable_cores())) as pool:
+            list(pool.map(_run, [compile_command(cxx, level, s, o) for s, o in zip(units, objs)]))
+        tmp_out = Path(tmp) / output.name
+        _run(link_command(cxx, objs, tmp_out))
+        os.replace(tmp_out, output)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tandem_kernels.build",
+        description="Prebuild the fused CPU kernels for ISA levels, into a directory that "
+                    "$TANDEM_PREBUILT_KERNELS names at run time (no compiler needed there).")
+    parser.add_argument("--levels", default="all",
+                        help=f"comma-separated, of {', '.join(lv.name for lv in LEVELS)}; or all (default: all)")
+    parser.add_argument("--out", type=Path, default=Path(DEFAULT_PREBUILT_DIR),
+                        help=f"the directory to write into (default: {DEFAULT_PREBUILT_DIR})")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        levels = LEVELS if args.levels == "all" else [level_named(n.strip()) for n in args.levels.split(",")]
+    except ValueError as error:
+        parser.error(f"--levels: {error}")
+    cxx = compiler()
+    if cxx is None or shutil.which(cxx) is None:
+        parser.error(f"no C++ compiler: {'CXX=' + cxx + ' is not found' if cxx else 'set CXX or install g++'}")
+    host_flags = host_cpu_flags()
+    for level in levels:
+        output = args.out / library_name(level)
+        missing = missing_flags(level, host_flags)
+        note = f" (compile only: this machine lacks {', '.join(missing)})" if missing else ""
+        if output.exists():
+            logger.info("%s: %s is already built%s", level.name, output, note)
+            continue
+        start = time.monotonic()
+        try:
+            build(level, cxx, output)
+        except (RuntimeError, OSError) as error:
+            logger.error("%s: the build failed: %s", level.name, error)
+            return 1
+        logger.info("%s: built %s in %.0f s%s", level.name, output, time.monotonic() - start, note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
