@@ -2,7 +2,7 @@
 #
 #   frontend  EXTRAS=""           the HTTP API, no torch, no CUDA: `tandem frontend ...`
 #   backend   EXTRAS="[backend]"  the engine, torch (CUDA from the base image): `tandem backend ...`
-#             CPU_KERNEL_LEVELS=avx2,avx512,amx  also the CPU kernels, prebuilt (the CPU backend)
+#             CPU_KERNEL_LEVELS=avx2,...  also the CPU kernels, prebuilt per ISA level (the CPU backend)
 #
 #   docker build -t tandem-frontend .
 #   docker build -t tandem-backend --build-arg EXTRAS="[backend]" \
@@ -26,11 +26,11 @@ COPY ${WHEELHOUSE} /wheels/
 COPY pyproject.toml /src/
 RUN python3 -m venv --system-site-packages /opt/tandem && touch /src/README.md \
     && /opt/tandem/bin/pip install ${PIP_ARGS} --find-links /wheels "/src${EXTRAS}"
-# The fused CPU kernels, prebuilt for each ISA level in CPU_KERNEL_LEVELS (compose.cpu.yaml: avx2,
-# avx512,amx; empty: none) into /opt/tandem/kernels, where they are looked for first at run time
-# ($TANDEM_PREBUILT_KERNELS' default), so the image compiles nothing when it starts. The final image
-# has no compiler: this stage installs g++ where its base has none, and only the libraries go on
-# (inside /opt/tandem). Keyed by csrc/ and torch alone, this layer outlives edits elsewhere.
+# The fused CPU kernels, prebuilt for each ISA level in CPU_KERNEL_LEVELS (compose.cpu.yaml: all
+# five, avx2 to amx; empty: none) into /opt/tandem/kernels, where they are looked for first at run
+# time ($TANDEM_PREBUILT_KERNELS' default), so the image compiles nothing when it starts. The final
+# image has no compiler: this stage installs g++ where its base has none, and only the libraries go
+# on (inside /opt/tandem). Keyed by csrc/ and torch alone, this layer outlives edits elsewhere.
 ARG CPU_KERNEL_LEVELS=
 COPY kernels /src/kernels
 RUN if [ -n "${CPU_KERNEL_LEVELS}" ]; then \

@@ -4,6 +4,8 @@ names the libraries go by; ``tandem_kernels.cpu`` finds or builds and loads them
 Each source compiles on its own (side by side, as many as this process may use cores) with the
 level's explicit target flags and ``-mtune=generic``, never ``-march=native``, so the library
 runs on every CPU of its level, whichever machine built it. The objects link into one library.
+The exception is ``isa.NATIVE``, for CPUs that are not x86-64: built with the compiler's own
+``-mcpu=native`` or ``-march=native`` (``native_flags``) into the cache only, never prebuilt.
 
 Two places hold libraries, under names that change with any file in ``csrc/`` (edited, added,
 removed or renamed), torch's version and the level:
@@ -11,19 +13,22 @@ removed or renamed), torch's version and the level:
     prebuilt  ``$TANDEM_PREBUILT_KERNELS`` (default /opt/tandem/kernels), read-only, searched
               first: ``tandem_cpu_ops-<level>-<key>.so``, no compiler needed to find it (images)
     cache     ``$TANDEM_KERNEL_CACHE`` (default ~/.cache/tandem/kernels), per user: the same key
-              and the compiler's version, built on first use where a compiler is found
+              and the compiler's version (for ``native``, also the machine and its CPU's flags,
+              since that build runs only where it was made), built on first use
 
 Prebuild for images (a level this machine cannot run still compiles; it is not run here):
 
-    python -m tandem_kernels.build --levels avx2,avx512,amx --out /opt/tandem/kernels
+    python -m tandem_kernels.build --levels all --out /opt/tandem/kernels
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -36,13 +41,14 @@ from typing import Optional
 
 import torch
 
-from tandem_kernels.isa import LEVELS, IsaLevel, host_cpu_flags, level_named, missing_flags
+from tandem_kernels.isa import (LEVELS, NATIVE, IsaLevel, host_cpu_flags, host_is_x86_64, level_named,
+                                missing_flags)
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")  # every .cpp and .h here is part of the build and its key
 DEFAULT_PREBUILT_DIR = "/opt/tandem/kernels"
-_COMPILE_FLAGS = ["-O3", "-mtune=generic", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
+_COMPILE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
@@ -61,12 +67,38 @@ def build_files() -> list[Path]:
     return sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])
 
 
+@functools.lru_cache(maxsize=None)
+def native_flags(cxx: str) -> tuple[str, ...]:
+    """The flag that makes ``cxx`` target this very CPU: the first it accepts (without a warning)
+    of -mcpu=native and -march=native (Arm's compilers prefer -mcpu, which also tunes; elsewhere
+    -march first); none where it takes neither (the compiler's default target, still correct)."""
+    arm = platform.machine().lower().startswith(("aarch64", "arm"))
+    candidates = ("-mcpu=native", "-march=native") if arm else ("-march=native", "-mcpu=native")
+    with tempfile.TemporaryDirectory() as tmp:
+        for flag in candidates:
+            try:
+                probe = [cxx, flag, "-Werror", "-x", "c++", "-c", "-", "-o", str(Path(tmp) / "probe.o")]
+                proc = subprocess.run(probe, input="int probe() { return 0; }\n", capture_output=True,
+                                      text=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                return ()
+            if proc.returncode == 0:
+                return (flag,)
+    return ()
+
+
+def target_flags(cxx: str, level: IsaLevel) -> tuple[str, ...]:
+    """What the compiler is told of the target: the level's own flags, or for ``native`` what
+    ``native_flags`` finds."""
+    return native_flags(cxx) if level is NATIVE else level.compile_flags
+
+
 def compile_command(cxx: str, level: IsaLevel, source: Path, obj: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [cxx, *_COMPILE_FLAGS, *level.compile_flags, abi, *includes,
+    return [cxx, *_COMPILE_FLAGS, *target_flags(cxx, level), abi, *includes,
             f"-I{sysconfig.get_paths()['include']}", "-c", str(source), "-o", str(obj)]
 
 
@@ -91,7 +123,10 @@ def build_key(level: IsaLevel) -> str:
 
 
 def library_name(level: IsaLevel) -> str:
-    """The prebuilt library's file name (in ``prebuilt_dir()`` or a build's --out)."""
+    """The prebuilt library's file name (in ``prebuilt_dir()`` or a build's --out); ``native`` has
+    none (ValueError): it is never prebuilt."""
+    if level is NATIVE:
+        raise ValueError("the native build is made by each machine for itself: it is never prebuilt")
     return f"tandem_cpu_ops-{level.name}-{build_key(level)}.so"
 
 
@@ -101,10 +136,15 @@ def prebuilt_dir() -> Path:
 
 def cached_library(level: IsaLevel, cxx: str) -> Path:
     """Where this machine's own build for the level lives: the prebuilt key plus the compiler's
-    version (raises OSError where the compiler cannot be run)."""
+    version; for ``native`` also the machine, its CPU's flags and the flags the compiler took, since
+    a cache may be shared by hosts (a network home) and that build runs only where it was made.
+    Raises OSError where the compiler cannot be run."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    host = ()
+    if level is NATIVE:
+        host = (platform.machine(), " ".join(sorted(host_cpu_flags())), " ".join(native_flags(cxx)))
     base = Path(os.environ.get("TANDEM_KERNEL_CACHE") or "~/.cache/tandem/kernels").expanduser()
-    return base / f"tandem_cpu_ops-{level.name}-{_digest(build_key(level), version)}.so"
+    return base / f"tandem_cpu_ops-{level.name}-{_digest(build_key(level), version, *host)}.so"
 
 
 def _usable_cores() -> int:
@@ -146,6 +186,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help=f"the directory to write into (default: {DEFAULT_PREBUILT_DIR})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not host_is_x86_64():
+        parser.error(f"the levels are x86-64 ones and this machine is {platform.machine()}: prebuild them on "
+                     "an x86-64 machine (here the kernels are built natively on first use)")
     try:
         levels = LEVELS if args.levels == "all" else [level_named(n.strip()) for n in args.levels.split(",")]
     except ValueError as error:

@@ -1,10 +1,10 @@
 """The fused CPU kernels (``csrc/``: one C++ file per op family, with ``amx_linear.cpp`` for
 CPUs with AMX), found or built for this CPU's ISA level, then loaded.
 
-The first call of ``available()`` picks this CPU's level (``tandem_kernels.isa``: avx2, avx512 or
-amx, the highest whose every feature /proc/cpuinfo lists; ``TANDEM_CPU_KERNEL_LEVEL`` may choose a
-lower one) and loads the library for it (``tandem_kernels.build`` names and builds them), the
-first found of:
+The first call of ``available()`` picks this CPU's level (``tandem_kernels.isa``: avx2, avx512,
+avx512_vnni, avx512_bf16 or amx, the highest whose every feature /proc/cpuinfo lists;
+``TANDEM_CPU_KERNEL_LEVEL`` may choose a lower one) and loads the library for it
+(``tandem_kernels.build`` names and builds them), the first found of:
 
 1. the prebuilt one in ``$TANDEM_PREBUILT_KERNELS`` (default /opt/tandem/kernels; images carry
    every level there, so nothing is compiled at run time);
@@ -13,8 +13,11 @@ first found of:
    idle cores), keyed so that later processes just load it and editing any file in csrc/ rebuilds;
 4. where there is no compiler or the build fails: a prebuilt lower level, with a warning.
 
+A CPU that is not x86-64 (Arm, ...) has no levels: its ``native`` build (the compiler's own
+-mcpu/-march=native) is cached or built as in 2 and 3, never prebuilt.
+
 The engine calls it at start-up, so no request ever waits for a build. When none of these works
-(or the CPU is below avx2, or not x86-64), a warning says why and every op falls back to
+(or the x86-64 CPU is below avx2), a warning says why and every op falls back to
 ``tandem_kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0`` turns the fused
 kernels off on purpose (for comparisons).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
@@ -34,7 +38,8 @@ from typing import Optional
 import torch
 
 from tandem_kernels import build
-from tandem_kernels.isa import LEVELS, IsaLevel, highest_level, host_cpu_flags, level_named, missing_flags
+from tandem_kernels.isa import (LEVELS, NATIVE, IsaLevel, highest_level, host_cpu_flags, host_is_x86_64,
+                                level_named, missing_flags)
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +47,16 @@ _state: dict = {}  # "ok": bool once decided, "error": why not, "library" and "l
 
 
 def host_level() -> Optional[IsaLevel]:
-    """The level the kernels are built for here: this CPU's highest, or the lower one that
-    ``TANDEM_CPU_KERNEL_LEVEL`` names (a level this CPU cannot run is refused: ValueError)."""
+    """The level the kernels are built for here: this x86-64 CPU's highest (None below avx2), or
+    the lower one that ``TANDEM_CPU_KERNEL_LEVEL`` names (a level this CPU cannot run is refused:
+    ValueError); ``NATIVE`` on any other CPU, where only auto is accepted."""
     flags = host_cpu_flags()
     choice = os.environ.get("TANDEM_CPU_KERNEL_LEVEL", "auto")
+    if not host_is_x86_64():
+        if choice != "auto":
+            raise ValueError(f"TANDEM_CPU_KERNEL_LEVEL={choice}: this CPU is not x86-64 ({platform.machine()}), "
+                             "so the kernels are built for it natively; unset it or choose auto")
+        return NATIVE
     if choice == "auto":
         return highest_level(flags)
     try:
@@ -60,13 +71,13 @@ def host_level() -> Optional[IsaLevel]:
 
 def _below_avx2_reason() -> str:
     flags = host_cpu_flags()
-    if "avx2" not in flags and "sse2" not in flags:
-        return "this CPU is not x86-64: the kernels are built for x86-64 ISA levels only"
-    return (f"this CPU is below the lowest ISA level the kernels are built for, avx2 (x86-64-v3): "
+    return (f"this x86-64 CPU is below the lowest ISA level the kernels are built for, avx2 (x86-64-v3): "
             f"it lacks {', '.join(missing_flags(LEVELS[0], flags))}")
 
 
 def _lower_prebuilt(level: IsaLevel) -> Optional[tuple[Path, IsaLevel]]:
+    if level is NATIVE:
+        return None
     for lower in reversed(LEVELS[:LEVELS.index(level)]):
         path = build.prebuilt_dir() / build.library_name(lower)
         if path.exists():
@@ -76,19 +87,22 @@ def _lower_prebuilt(level: IsaLevel) -> Optional[tuple[Path, IsaLevel]]:
 
 def _find_or_build(level: IsaLevel) -> tuple[Path, IsaLevel, str]:
     """(library, its level, how it was found). Raises RuntimeError or OSError saying why none."""
-    prebuilt = build.prebuilt_dir() / build.library_name(level)
-    if prebuilt.exists():
+    prebuilt = None if level is NATIVE else build.prebuilt_dir() / build.library_name(level)
+    if prebuilt is not None and prebuilt.exists():
         return prebuilt, level, "loaded the prebuilt"
     cxx = build.compiler()
     try:
         if cxx is None or shutil.which(cxx) is None:
-            raise RuntimeError(f"no prebuilt {level.name} library in {prebuilt.parent} and no C++ compiler "
+            where = (f"no prebuilt {level.name} library in {prebuilt.parent}" if prebuilt is not None else
+                     f"this {platform.machine()} CPU's kernels are built on it (never prebuilt)")
+            raise RuntimeError(f"{where} and no C++ compiler "
                                f"({'CXX=' + cxx + ' is not found' if cxx else 'set CXX or install g++'})")
         cached = build.cached_library(level, cxx)
         if cached.exists():
             return cached, level, "loaded the cached"
-        logger.info("Building Tandem's CPU kernels for %s with %s (once per machine and version: ~30 s on "
-                    "2 cores) into %s ...", level.name, Path(cxx).name, cached.parent)
+        target = " ".join(build.target_flags(cxx, level)) or "the compiler's default target"
+        logger.info("Building Tandem's CPU kernels for %s (%s) with %s (once per machine and version: ~30 s "
+                    "on 2 cores) into %s ...", level.name, target, Path(cxx).name, cached.parent)
         build.build(level, cxx, cached)
         return cached, level, "built and loaded the"
     except (RuntimeError, OSError) as error:
