@@ -34,10 +34,11 @@ RUN python3 -m venv --system-site-packages /opt/tandem && touch /src/README.md \
 ARG CPU_KERNEL_LEVELS=
 COPY kernels /src/kernels
 RUN if [ -n "${CPU_KERNEL_LEVELS}" ]; then \
-        if ! command -v g++ >/dev/null; then \
-            apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ >/dev/null; fi \
-        && PYTHONPATH=/src/kernels /opt/tandem/bin/python -m tandem_kernels.build \
-            --levels "${CPU_KERNEL_LEVELS}" --out /opt/tandem/kernels; fi
+        if command -v g++ >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ >/dev/null; }; then \
+            PYTHONPATH=/src/kernels /opt/tandem/bin/python -m tandem_kernels.build \
+                --levels "${CPU_KERNEL_LEVELS}" --out /opt/tandem/kernels; \
+        else echo "WARNING: no C++ compiler here and none could be installed: the image carries no" \
+            "prebuilt CPU kernels (the backend then runs the plain-torch path)"; fi; fi
 COPY README.md /src/
 COPY frontend /src/frontend
 COPY backend /src/backend

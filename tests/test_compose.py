@@ -67,13 +67,15 @@ def test_the_cpu_backend_image_carries_the_kernels_prebuilt_for_every_isa_level(
     from tandem_kernels.isa import LEVELS
 
     levels = load("compose.cpu.yaml")["services"]["backend"]["build"]["args"]["CPU_KERNEL_LEVELS"]
-    assert levels.split(",") == [level.name for level in LEVELS]
+    assert levels.startswith("${TANDEM_CPU_KERNEL_LEVELS:-") and levels.endswith("}")  # fewer where asked
+    assert levels.removeprefix("${TANDEM_CPU_KERNEL_LEVELS:-")[:-1].split(",") == [level.name for level in LEVELS]
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     build_stage, _, final_stage = dockerfile.partition("\nFROM ${BASE}\n")
     assert "ARG CPU_KERNEL_LEVELS=\n" in build_stage  # empty by default: frontend and GPU images skip it
     assert "apt-get install -y -qq --no-install-recommends g++" in build_stage
-    assert ('-m tandem_kernels.build \\\n            --levels "${CPU_KERNEL_LEVELS}" --out /opt/tandem/kernels'
+    assert ('-m tandem_kernels.build \\\n                --levels "${CPU_KERNEL_LEVELS}" --out /opt/tandem/kernels'
             in build_stage)
+    assert "none could be installed" in build_stage  # no compiler and none installable: said, not failed
     kernels_src = (REPO_ROOT / "kernels" / "tandem_kernels" / "build.py").read_text()
     assert 'DEFAULT_PREBUILT_DIR = "/opt/tandem/kernels"' in kernels_src  # where the image's are found
     assert "COPY --from=build /opt/tandem /opt/tandem\n" in final_stage

@@ -76,6 +76,10 @@ export TANDEM_PIP_ARGS=--no-index
 export TANDEM_FRONTEND_IMAGE=tandem-frontend:smoke TANDEM_BACKEND_IMAGE=tandem-backend-cpu:smoke
 export TANDEM_MODEL=/models/tiny
 export TANDEM_BACKEND_ARGS="--dtype float32 --num-kv-blocks 512 --max-model-len 512"
+# The image's prebuilt CPU kernels: this machine's level only (all five take ~5 min on 2 cores).
+TANDEM_CPU_KERNEL_LEVELS=$(PYTHONPATH=kernels python -c "from tandem_kernels import isa; \
+level = isa.highest_level(isa.host_cpu_flags()) if isa.host_is_x86_64() else None; print(level.name if level else '')")
+export TANDEM_CPU_KERNEL_LEVELS
 TANDEM_PORT=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 export TANDEM_PORT
 cat >"$work/smoke.yaml" <<EOF
@@ -100,6 +104,18 @@ say "the frontend image has no torch"
 python tests/deploy/compose_smoke.py --compose "${compose[*]} -f compose.cpu.yaml -f $work/smoke.yaml -p $project" \
     --project "$project" --port "$TANDEM_PORT"
 
+# The backends loaded the image's prebuilt kernels (the image has no compiler to build any); an
+# image built where no compiler could be installed carries none, which is said, not failed.
+if [[ -n $TANDEM_CPU_KERNEL_LEVELS ]]; then
+    prebuilt=$(docker run --rm --entrypoint ls "$TANDEM_BACKEND_IMAGE" /opt/tandem/kernels 2>/dev/null | grep -c '\.so$' || true)
+    loaded=$("${compose[@]}" -f compose.cpu.yaml -f "$work/smoke.yaml" -p "$project" logs backend 2>&1 \
+        | grep -c "loaded the prebuilt $TANDEM_CPU_KERNEL_LEVELS build" || true)
+    say "the backend image carries $prebuilt prebuilt kernel libraries; $loaded backend starts loaded the $TANDEM_CPU_KERNEL_LEVELS one"
+    if (( prebuilt > 0 && loaded == 0 )); then
+        echo "error: the backends did not load the image's prebuilt $TANDEM_CPU_KERNEL_LEVELS kernels" >&2
+        exit 1
+    fi
+fi
 say "image sizes:"
 for image in "$TANDEM_FRONTEND_IMAGE" "$TANDEM_BACKEND_IMAGE" "$lb_image" "$base_image"; do
     docker image inspect -f '{{.Size}}' "$image" | awk -v name="$image" '{printf "  %-28s %5.0f MB\n", name, $1 / 1e6}'
