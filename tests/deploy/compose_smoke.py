@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -113,6 +114,13 @@ def scenario(stack: Stack) -> None:
     took = wait_until("every service to be healthy", HEALTHY_TIMEOUT_S, all_healthy)
     backends, frontends = stack.containers("backend"), stack.containers("frontend")
     log(f"healthy ({took:.0f} s after up): {', '.join(backends + frontends + stack.containers('lb'))}")
+
+    level = os.environ.get("TANDEM_SMOKE_PREBUILT_LEVEL")
+    if level:  # the image's prebuilt CPU kernels, loaded: nothing compiled at start (no compiler there)
+        for container in backends:
+            logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True, timeout=60)
+            assert f"CPU kernels: loaded the prebuilt {level} build" in logs.stdout + logs.stderr, container
+        log(f"every backend loaded the image's prebuilt {level} CPU kernels")
 
     # A completion and a streamed chat through the load balancer.
     complete(stack, "The capital of France is")

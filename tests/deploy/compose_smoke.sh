@@ -100,22 +100,20 @@ if docker run --rm --entrypoint python "$TANDEM_FRONTEND_IMAGE" -c "import torch
 fi
 say "the frontend image has no torch"
 
+# The image's prebuilt CPU kernels: the backends must load them (checked by compose_smoke.py). An
+# image built where no compiler could be installed carries none, which is said, not failed.
+TANDEM_SMOKE_PREBUILT_LEVEL=
+if [[ -n $TANDEM_CPU_KERNEL_LEVELS ]]; then
+    prebuilt=$(docker run --rm --entrypoint ls "$TANDEM_BACKEND_IMAGE" /opt/tandem/kernels 2>/dev/null | grep -c '\.so$' || true)
+    say "the backend image carries $prebuilt prebuilt CPU kernel libraries"
+    (( prebuilt > 0 )) && TANDEM_SMOKE_PREBUILT_LEVEL=$TANDEM_CPU_KERNEL_LEVELS
+fi
+export TANDEM_SMOKE_PREBUILT_LEVEL
+
 # ---- the stack ----
 python tests/deploy/compose_smoke.py --compose "${compose[*]} -f compose.cpu.yaml -f $work/smoke.yaml -p $project" \
     --project "$project" --port "$TANDEM_PORT"
 
-# The backends loaded the image's prebuilt kernels (the image has no compiler to build any); an
-# image built where no compiler could be installed carries none, which is said, not failed.
-if [[ -n $TANDEM_CPU_KERNEL_LEVELS ]]; then
-    prebuilt=$(docker run --rm --entrypoint ls "$TANDEM_BACKEND_IMAGE" /opt/tandem/kernels 2>/dev/null | grep -c '\.so$' || true)
-    loaded=$("${compose[@]}" -f compose.cpu.yaml -f "$work/smoke.yaml" -p "$project" logs backend 2>&1 \
-        | grep -c "loaded the prebuilt $TANDEM_CPU_KERNEL_LEVELS build" || true)
-    say "the backend image carries $prebuilt prebuilt kernel libraries; $loaded backend starts loaded the $TANDEM_CPU_KERNEL_LEVELS one"
-    if (( prebuilt > 0 && loaded == 0 )); then
-        echo "error: the backends did not load the image's prebuilt $TANDEM_CPU_KERNEL_LEVELS kernels" >&2
-        exit 1
-    fi
-fi
 say "image sizes:"
 for image in "$TANDEM_FRONTEND_IMAGE" "$TANDEM_BACKEND_IMAGE" "$lb_image" "$base_image"; do
     docker image inspect -f '{{.Size}}' "$image" | awk -v name="$image" '{printf "  %-28s %5.0f MB\n", name, $1 / 1e6}'
