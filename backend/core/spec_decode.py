@@ -13,6 +13,9 @@ It pays where outputs repeat their input: summaries, edits, code, extraction.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
+from backend.core.request import Request
 from backend.types.config import SpeculativeConfig
 
 
@@ -41,3 +44,21 @@ class NgramProposer:
         return []
 
 
+def propose_drafts(running: list[Request], proposer: NgramProposer, config: SpeculativeConfig,
+                   max_model_len: int, gets_drafts: Callable[[Request], bool]) -> Iterable[tuple[Request, Exception]]:
+    """Give each decoding sequence in ``running`` (one for which ``gets_drafts`` holds) its drafts
+    for this step, within its room (max_model_len, max_tokens); yields each sequence whose
+    drafting raised, with the error (it gets no drafts)."""
+    if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
+        return
+    for request in running:
+        if request.num_computed_tokens != request.num_tokens - 1 or not gets_drafts(request):
+            continue  # still prefilling, or not to be drafted for
+        params = request.sampling_params
+        room = max_model_len - request.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        try:
+            request.draft_token_ids = proposer.propose(request.all_token_ids, room)
+        except Exception as error:  # noqa: BLE001 -- no drafts; the caller ends the sequence
+            yield request, error

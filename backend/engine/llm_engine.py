@@ -18,10 +18,11 @@ from backend.core.beam_search import BeamSearch
 from backend.core.block_manager import BlockManager
 from backend.core.request import Request
 from backend.core.scheduler import Scheduler
-from backend.core.spec_decode import NgramProposer
+from backend.core.spec_decode import NgramProposer, propose_drafts
 from backend.core.structured_output.manager import GrammarViolation, StructuredOutputManager
 from backend.engine.inflight import InFlightStep
 from backend.engine.request_checks import eos_token_ids, validate_request
+from backend.engine.stop_conditions import check_stop
 from backend.messages.late_grammar import LateGrammar
 from backend.executor import create_executor
 from backend.models.resolve import resolve_config
@@ -327,7 +328,7 @@ class LLMEngine:
         for token_id in runner_out.sampled_token_ids[s.request_id]:
             request.append_output_token(token_id)
             new_tokens.append(token_id)
-            reason = self._check_stop(request, token_id)
+            reason = check_stop(request, token_id, self.eos_token_ids, self.config.max_model_len)
             if constrained and reason is None:  # every token the sequence keeps advances its grammar
                 reason = self._advance_grammar(request, token_id)
             if reason is not None:
@@ -379,29 +380,16 @@ class LLMEngine:
         return FinishReason.STOP if complete else None
 
     def _propose_drafts(self, failed: dict[str, str]) -> None:
-        """Give each decoding request n-gram drafts for this step (see backend/core/spec_decode.py).
+        """N-gram drafts for this step (backend/core/spec_decode.py). Structured-output and
+        beam-search sequences get none: a grammar's mask is filled for one position per step,
+        and a beam child samples exactly one token."""
+        def gets_drafts(request: Request) -> bool:
+            return request.sampling_params.structured_outputs is None and request.parent_id not in self.beams
 
-        Structured-output and beam-search sequences get none: a grammar's mask is filled for
-        one position per step, and a beam child samples exactly one token.
-        """
-        spec = self.speculative
-        running = self.scheduler.running
-        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
-            return
-        for request in running:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue  # still prefilling
-            params = request.sampling_params
-            if params.structured_outputs is not None or request.parent_id in self.beams:
-                continue
-            room = self.config.max_model_len - request.num_tokens - 1
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            try:
-                request.draft_token_ids = self.proposer.propose(request.all_token_ids, room)
-            except Exception as error:  # noqa: BLE001 -- no drafts, and the request ends after this step
-                logger.exception("Drafting for request %r failed", request.parent_id)
-                failed[request.request_id] = _failure_message(error)
+        for request, error in propose_drafts(self.scheduler.running, self.proposer, self.speculative,
+                                             self.config.max_model_len, gets_drafts):
+            logger.error("Drafting for request %r failed", request.parent_id, exc_info=error)
+            failed[request.request_id] = _failure_message(error)  # it ends after this step
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, logprobs: list) -> None:
         """Record the logprobs of prompt tokens first_pos.. that are not there yet: after a
@@ -412,20 +400,6 @@ class LLMEngine:
         known = len(request.prompt_logprobs)
         if first_pos <= known < first_pos + len(logprobs):
             request.prompt_logprobs.extend(logprobs[known - first_pos:])
-
-    def _check_stop(self, request: Request, token_id: int) -> Optional[FinishReason]:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return FinishReason.STOP
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return FinishReason.STOP
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _forget_child(self, request: Request) -> None:
         siblings = self.children.get(request.parent_id)
