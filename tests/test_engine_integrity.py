@@ -291,21 +291,17 @@ def test_a_beam_search_past_its_deadline_ends_with_abort(tiny_checkpoint):
         engine.shutdown()
 
 
-def test_prompt_logprobs_survive_a_preemption_whose_recompute_chunks_differ(tiny_checkpoint):
+def test_prompt_logprobs_survive_a_preemption_whose_recompute_chunks_differ():
     """Found by the fuzzer: a prompt computed in a 3-token chunk, preempted, then computed again
     in one 8-token chunk kept only its first 3 logprobs (the new chunk overlapped the old)."""
     from backend.core.request import Request
     from backend.types.outputs import Logprob
 
-    engine = make_engine(tiny_checkpoint("llama"), "float32")
-    try:
-        request = Request("seq-x", list(range(10, 18)), SamplingParams(prompt_logprobs=0), None)
-        first = [{11 + i: Logprob(-1.0 - i)} for i in range(3)]  # tokens 1..3
-        again = [{11 + i: Logprob(-1.0 - i)} for i in range(7)]  # tokens 1..7, after the preemption
-        engine._record_prompt_logprobs(request, 1, first)
-        engine._record_prompt_logprobs(request, 1, again)
-        assert request.prompt_logprobs == [None] + again
-        engine._record_prompt_logprobs(request, 4, again[3:])  # a chunk wholly known: nothing added
-        assert len(request.prompt_logprobs) == 8
-    finally:
-        engine.shutdown()
+    request = Request("seq-x", list(range(10, 18)), SamplingParams(prompt_logprobs=0), None)
+    first = [{11 + i: Logprob(-1.0 - i)} for i in range(3)]  # tokens 1..3
+    again = [{11 + i: Logprob(-1.0 - i)} for i in range(7)]  # tokens 1..7, after the preemption
+    request.record_prompt_logprobs(1, first)
+    request.record_prompt_logprobs(1, again)
+    assert request.prompt_logprobs == [None] + again
+    request.record_prompt_logprobs(4, again[3:])  # a chunk wholly known: nothing added
+    assert len(request.prompt_logprobs) == 8

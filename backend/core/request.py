@@ -24,6 +24,13 @@ class Request:
     else marks a request as prefilling or decoding.
     """
 
+    # Slots: the engine touches a few of these per sequence per step (hundreds of sequences).
+    __slots__ = ("request_id", "parent_id", "index", "prompt_token_ids", "sampling_params", "eos_token_id",
+                 "arrival_time", "cache_salt", "status", "output_token_ids", "all_token_ids",
+                 "num_computed_tokens", "num_inflight_tokens", "num_placeholders", "num_cached_tokens",
+                 "num_preemptions", "block_hashes", "finish_reason", "stop_reason", "prompt_logprobs",
+                 "first_token_time", "draft_token_ids")
+
     def __init__(
         self,
         request_id: str,
@@ -92,6 +99,16 @@ class Request:
             self.num_computed_tokens += num_scheduled - num_rejected
         if sampled:
             self.num_placeholders -= 1
+
+    def record_prompt_logprobs(self, first_pos: int, logprobs: list) -> None:
+        """Record the logprobs of prompt tokens first_pos.. that are not there yet: after a
+        preemption the prompt is computed again from 0, in chunks that may end elsewhere than
+        before, so a chunk can cover positions already recorded, new ones, or both."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # the first prompt token has none
+        known = len(self.prompt_logprobs)
+        if first_pos <= known < first_pos + len(logprobs):
+            self.prompt_logprobs.extend(logprobs[known - first_pos:])
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

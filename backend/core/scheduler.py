@@ -11,6 +11,7 @@ running request is preempted: its blocks are freed and it is recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 from backend.core.block_manager import BlockManager
 from backend.core.request import Request, RequestStatus
@@ -71,19 +72,29 @@ class Scheduler:
         num_preempted = 0
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        running, req_blocks, block_size = self.running, self.block_manager.req_blocks, self.block_manager.block_size
+        while i < len(running) and budget > 0:
+            request = running[i]
             left = _num_unscheduled(request)
             if left <= 0 or (request.num_placeholders and self._at_length_limit(request)):
                 i += 1  # everything is in flight, or its last token is
                 continue
             num_new = min(left, budget)
-            if request.draft_token_ids and num_new == left:
-                # Decoding with drafts: verify as many as the budget allows, after the last token.
-                del request.draft_token_ids[budget - num_new:]
-                num_new += len(request.draft_token_ids)
-            else:
-                request.draft_token_ids.clear()
+            if request.draft_token_ids:
+                if num_new == left:
+                    # Decoding with drafts: verify as many as the budget allows, after the last token.
+                    del request.draft_token_ids[budget - num_new:]
+                    num_new += len(request.draft_token_ids)
+                else:
+                    request.draft_token_ids.clear()
+            else:  # the common case, a decode token: often its last block has room (no allocation)
+                held = req_blocks.get(request.request_id)
+                if held is not None and (request.num_computed_tokens + request.num_inflight_tokens
+                                         + num_new <= len(held) * block_size):
+                    scheduled.append(self._make_scheduled(request, num_new, held))
+                    budget -= num_new
+                    i += 1
+                    continue
             while not self.block_manager.allocate_slots(request, num_new):
                 if request.draft_token_ids:  # speculation never costs another request its place
                     num_new -= len(request.draft_token_ids)
@@ -147,27 +158,30 @@ class Scheduler:
             return True
         return request.num_tokens + request.num_placeholders >= self.max_model_len
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        """The step's share of ``request`` (num_new tokens, drafts included); counts them in flight."""
+    def _make_scheduled(self, request: Request, num_new: int, block_ids: Optional[list[int]] = None
+                        ) -> ScheduledRequest:
+        """The step's share of ``request`` (num_new tokens, drafts included); counts them in flight.
+        ``block_ids``: its block table, if the caller holds it."""
         start = request.num_computed_tokens + request.num_inflight_tokens
         drafts = request.draft_token_ids
         end = start + num_new - len(drafts)
+        num_known = len(request.all_token_ids)
         token_ids = request.all_token_ids[start:end]
-        if end > request.num_tokens:  # the token the step in flight samples (one at most)
-            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, request.num_tokens)))
-        needs_sample = end == request.num_tokens + request.num_placeholders
+        if end > num_known:  # the token the step in flight samples (one at most)
+            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - max(start, num_known)))
+        needs_sample = end == num_known + request.num_placeholders
         scheduled = ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=token_ids + drafts,
-            start_pos=start,
-            block_ids=self.block_manager.block_ids(request.request_id),
-            needs_sample=needs_sample,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            eos_token_id=request.eos_token_id,
-            num_draft_tokens=len(drafts),
-            num_output_tokens=request.num_output_tokens + request.num_placeholders,
+            request.request_id,
+            token_ids + drafts if drafts else token_ids,
+            start,
+            block_ids if block_ids is not None else self.block_manager.block_ids(request.request_id),
+            needs_sample,
+            request.sampling_params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            request.eos_token_id,
+            len(drafts),
+            len(request.output_token_ids) + request.num_placeholders,
         )
         request.num_inflight_tokens += num_new
         request.num_placeholders += needs_sample
@@ -176,5 +190,5 @@ class Scheduler:
 
 def _num_unscheduled(request: Request) -> int:
     """Tokens of the sequence (placeholders included) neither computed nor in flight."""
-    return (request.num_tokens + request.num_placeholders
+    return (len(request.all_token_ids) + request.num_placeholders
             - request.num_computed_tokens - request.num_inflight_tokens)

@@ -20,6 +20,7 @@ from backend.core.request import Request
 from backend.core.scheduler import Scheduler
 from backend.core.spec_decode import NgramProposer, propose_drafts
 from backend.core.structured_output.manager import GrammarViolation, StructuredOutputManager
+from backend.engine.decode_step import apply_decode_token
 from backend.engine.inflight import InFlightStep
 from backend.engine.request_checks import eos_token_ids, validate_request
 from backend.engine.stop_conditions import check_stop
@@ -272,19 +273,36 @@ class LLMEngine:
         constrained = self.structured_output.has_matchers
         finished_rounds: list[BeamSearch] = []
         now = time.monotonic()
+        requests, epochs = self.scheduler.requests, step.epochs
+        # The decode fast path (apply_decode_token) serves sequences that need nothing but their token.
+        plain = not (constrained or self.beams or runner_out.prompt_logprobs or runner_out.pooled)
+        num_decoded = 0
         for s in step.sched.scheduled:
-            request = self.scheduler.requests.get(s.request_id)
+            request = requests.get(s.request_id)
             if request is None:  # ended since it was scheduled (a sibling failed, it stopped, an abort)
                 continue
             if s.request_id in failed:
                 outputs.extend(self._fail_request(request.parent_id, failed[s.request_id]))
                 continue
-            stale = step.epochs.get(s.request_id, request.num_preemptions) != request.num_preemptions
+            stale = epochs.get(s.request_id, request.num_preemptions) != request.num_preemptions
             try:
+                if (plain and not stale and s.needs_sample and len(s.token_ids) == 1 and request.output_token_ids
+                        and s.start_pos >= len(request.prompt_token_ids)):
+                    output = apply_decode_token(
+                        request, runner_out.sampled_token_ids[s.request_id][0],
+                        runner_out.logprobs.get(s.request_id) if runner_out.logprobs else None,
+                        self.eos_token_ids, self.config.max_model_len, self.block_manager)
+                    outputs.append(output)
+                    num_decoded += 1
+                    if output.finish_reason is not None:
+                        self._finish(request, output.finish_reason)
+                        self._forget_child(request)
+                    continue
                 self._update(request, s, runner_out, constrained, now, outputs, finished_rounds, stale)
             except Exception as error:  # noqa: BLE001 -- this request's bookkeeping: it alone ends
                 logger.exception("Updating request %r failed", request.parent_id)
                 outputs.extend(self._fail_request(request.parent_id, _failure_message(error)))
+        self.num_generation_tokens_total += num_decoded
         for search in finished_rounds:
             if self.beams.get(search.request_id) is not search:  # it failed meanwhile
                 continue
@@ -303,11 +321,13 @@ class LLMEngine:
                 outputs: list[EngineOutput], finished_rounds: list[BeamSearch], stale: bool = False) -> None:
         """Apply one scheduled request's step results: computed tokens, sampled tokens, stops.
         ``stale``: preempted since the step was scheduled (only its sampled token counts)."""
-        request.draft_token_ids = []
-        if s.start_pos + s.num_tokens <= request.num_prompt_tokens:
-            self.num_prompt_tokens_total += s.num_tokens
+        if request.draft_token_ids:
+            request.draft_token_ids = []
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if s.start_pos + len(s.token_ids) <= num_prompt_tokens:
+            self.num_prompt_tokens_total += len(s.token_ids)
         if s.request_id in runner_out.prompt_logprobs:
-            self._record_prompt_logprobs(request, *runner_out.prompt_logprobs[s.request_id])
+            request.record_prompt_logprobs(*runner_out.prompt_logprobs[s.request_id])
         if not s.needs_sample:
             request.complete_step(s.num_tokens, 0, False, stale)
             if not stale:
@@ -323,10 +343,13 @@ class LLMEngine:
             if search.record(request.request_id, runner_out.logprobs[s.request_id][0]):
                 finished_rounds.append(search)
             return
-        first = request.num_output_tokens == 0
+        first = not request.output_token_ids
+        sampled = runner_out.sampled_token_ids[s.request_id]
         new_tokens, reason = [], None
-        for token_id in runner_out.sampled_token_ids[s.request_id]:
-            request.append_output_token(token_id)
+        output_ids, all_ids = request.output_token_ids, request.all_token_ids
+        for token_id in sampled:
+            output_ids.append(token_id)
+            all_ids.append(token_id)
             new_tokens.append(token_id)
             reason = check_stop(request, token_id, self.eos_token_ids, self.config.max_model_len)
             if constrained and reason is None:  # every token the sequence keeps advances its grammar
@@ -334,11 +357,10 @@ class LLMEngine:
             if reason is not None:
                 break
         # The KV cache now holds every scheduled token but the rejected drafts.
-        rejected = s.num_draft_tokens - (len(runner_out.sampled_token_ids[s.request_id]) - 1)
-        request.complete_step(s.num_tokens, rejected, True, stale)
+        rejected = s.num_draft_tokens - (len(sampled) - 1)
+        request.complete_step(len(s.token_ids), rejected, True, stale)
         if not stale:
-            self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens,
-                                                              request.num_tokens))
+            self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens, len(all_ids)))
         self.num_generation_tokens_total += len(new_tokens)
         self.num_draft_tokens_total += s.num_draft_tokens
         self.num_accepted_tokens_total += s.num_draft_tokens - rejected
@@ -349,9 +371,9 @@ class LLMEngine:
             request_id=request.parent_id, index=request.index, new_token_ids=new_tokens,
             new_logprobs=logprobs[:len(new_tokens)] if logprobs is not None else None,
             finish_reason=reason, stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            pooled=runner_out.pooled.get(s.request_id),
+            pooled=runner_out.pooled.get(s.request_id) if runner_out.pooled else None,
             # A one-token prompt has no logprobs computed: its list is [None], as any prompt's starts.
             prompt_logprobs=(request.prompt_logprobs or [None]) if first and request.wants_prompt_logprobs
             else None))
@@ -390,16 +412,6 @@ class LLMEngine:
                                              self.config.max_model_len, gets_drafts):
             logger.error("Drafting for request %r failed", request.parent_id, exc_info=error)
             failed[request.request_id] = _failure_message(error)  # it ends after this step
-
-    def _record_prompt_logprobs(self, request: Request, first_pos: int, logprobs: list) -> None:
-        """Record the logprobs of prompt tokens first_pos.. that are not there yet: after a
-        preemption the prompt is computed again from 0, in chunks that may end elsewhere than
-        before, so a chunk can cover positions already recorded, new ones, or both."""
-        if not request.prompt_logprobs:
-            request.prompt_logprobs.append(None)  # the first prompt token has none
-        known = len(request.prompt_logprobs)
-        if first_pos <= known < first_pos + len(logprobs):
-            request.prompt_logprobs.extend(logprobs[known - first_pos:])
 
     def _forget_child(self, request: Request) -> None:
         siblings = self.children.get(request.parent_id)

@@ -13,14 +13,15 @@ def check_stop(request: Request, token_id: int, eos_token_ids, max_model_len: in
     from min_tokens on; LENGTH at max_tokens or max_model_len; else None. ``token_id`` is the
     sequence's newest output token, already appended."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    num_outputs = len(request.output_token_ids)
+    if num_outputs >= params.min_tokens:
         if not params.ignore_eos and token_id in eos_token_ids:
             return FinishReason.STOP
-        if token_id in params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return FinishReason.STOP
-    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+    if params.max_tokens is not None and num_outputs >= params.max_tokens:
         return FinishReason.LENGTH
-    if request.num_tokens >= max_model_len:
+    if len(request.all_token_ids) >= max_model_len:
         return FinishReason.LENGTH
     return None

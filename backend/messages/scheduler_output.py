@@ -16,7 +16,7 @@ from backend.types.sampling_params import SamplingParams
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step, as the model runner needs it (read-only there)."""
 

@@ -31,7 +31,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
     """What one sequence produced in one engine step (a delta, not a total).
 

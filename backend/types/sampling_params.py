@@ -225,7 +225,7 @@ class SamplingParams:
             if self.logprobs is not None and self.logprobs > 0:
                 bad("logprobs", "With use_beam_search only the chosen tokens' logprobs (logprobs=0) are returned.")
 
-    @property
+    @functools.cached_property  # parameters are fixed once constructed
     def wants_logprobs(self) -> bool:
         """Each generated token comes with its logprobs (top-k or of logprob_token_ids)."""
         return self.logprobs is not None or self.logprob_token_ids is not None
@@ -243,11 +243,11 @@ class SamplingParams:
         return (self.greedy and not self.wants_logprobs and not self.has_penalties and not self.logit_bias
                 and self.min_tokens == 0)
 
-    @property
+    @functools.cached_property  # parameters are fixed once constructed
     def has_penalties(self) -> bool:
         """A repetition, frequency or presence penalty is on."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    @property
+    @functools.cached_property  # parameters are fixed once constructed
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1

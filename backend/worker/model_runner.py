@@ -290,9 +290,11 @@ class ModelRunner:
     def _record_sampled(self, out: ModelRunnerOutput) -> None:
         """Keep each sequence's last token (for placeholders) and count penalized ones' tokens."""
         history = self.penalty_history
+        last_sampled = self.last_sampled
         for request_id, tokens in out.sampled_token_ids.items():
-            self.last_sampled[request_id] = tokens[-1]
-            if history is not None:
+            last_sampled[request_id] = tokens[-1]
+        if history is not None:
+            for request_id, tokens in out.sampled_token_ids.items():
                 history.record(request_id, tokens)
         for request_id in out.failed:
             self.last_sampled.pop(request_id, None)
@@ -302,19 +304,18 @@ class ModelRunner:
         """Sample every request's rows at once (logits: [num_sample_rows, vocab]); should that
         raise, sample request by request, so one request's failure (its parameters, seed, grammar
         mask, drafts) lands in ``out.failed`` and every other request still gets its tokens."""
+        if grammar is None and all(s.sampling_params.argmax_only and not s.num_draft_tokens
+                                   for s, _, _ in sample_rows):
+            # Hot path: every row is a plain greedy pick (no drafts, masks, logprobs or penalties).
+            token_ids = kernels.argmax_rows(logits).tolist()
+            out.sampled_token_ids.update(zip([s.request_id for s, _, _ in sample_rows], [[t] for t in token_ids]))
+            return
         groups: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, row count)
         start = 0
         while start < len(sample_rows):  # one request's rows are consecutive
             s = sample_rows[start][0]
             groups.append((s, start, s.num_draft_tokens + 1))
             start += s.num_draft_tokens + 1
-        if grammar is None and len(groups) == len(sample_rows) and all(
-                s.sampling_params.argmax_only for s, _, _ in groups):
-            # Hot path: every row is a plain greedy pick (no drafts, masks, logprobs or penalties).
-            token_ids = kernels.argmax_rows(logits).tolist()
-            for (s, _, _), token_id in zip(groups, token_ids):
-                out.sampled_token_ids[s.request_id] = [token_id]
-            return
         allowed = None
         if grammar is not None:  # structured outputs: only then is there work here
             # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.

@@ -27,7 +27,7 @@ _NEG_INF = float("-inf")
 _TOP_P_PREFIX = 1024
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One sequence that must produce a token this step.
 
