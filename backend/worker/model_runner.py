@@ -322,7 +322,7 @@ class ModelRunner:
             allowed = grammar.for_sampler_rows([s.request_id for s, _, _ in sample_rows])
         try:
             slots = self._penalty_slots([s for s, _, _ in groups], logits.shape[1])
-            rows = [self._sampling_row(s, j, slots) for s, _, j in sample_rows]
+            rows = self._sampling_rows(sample_rows, slots)
             sampled = self.sampler(logits, rows, allowed, self.penalty_history)
             for s, first, count in groups:
                 self._take_tokens(s, sampled, first, count, out)
@@ -359,6 +359,22 @@ class ModelRunner:
         slots = self.penalty_history.update([(s.request_id, s.prompt_token_ids, s.output_token_ids,
                                               s.num_prior_outputs) for s in penalized])
         return {s.request_id: slot for s, slot in zip(penalized, slots)}
+
+    def _sampling_rows(self, sample_rows: list[tuple[ScheduledRequest, int, int]],
+                       penalty_slots: dict[str, int]) -> list[SamplingRow]:
+        """A SamplingRow per (request, _, draft offset); the common row (no draft before it, no
+        seed) is built inline: this runs for every sampled row of every step."""
+        rows = []
+        for s, _, j in sample_rows:
+            params = s.sampling_params
+            if j or (params.seed is not None and not params.greedy):
+                rows.append(self._sampling_row(s, j, penalty_slots))
+            else:
+                rows.append(SamplingRow(params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id, None,
+                                        penalty_slots.get(s.request_id), (),
+                                        len(s.output_token_ids) if s.num_output_tokens is None
+                                        else s.num_output_tokens))
+        return rows
 
     def _sampling_row(self, s: ScheduledRequest, draft_offset: int, penalty_slots: dict[str, int]) -> SamplingRow:
         drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:draft_offset] if draft_offset else ()

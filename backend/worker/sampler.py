@@ -112,10 +112,20 @@ class Sampler:
         num_rows = len(rows)
         device = logits.device
         upload = self.upload or (lambda arrays: [torch.tensor(v, dtype=d, device=device) for v, d in arrays])
-        min_tokens_rows = [i for i, row in enumerate(rows) if row.below_min_tokens]
-        penalty_rows = [i for i, row in enumerate(rows) if row.has_penalties]
-        bias_rows = [i for i, row in enumerate(rows) if row.params.logit_bias]
-        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        min_tokens_rows: list[int] = []
+        penalty_rows: list[int] = []
+        bias_rows: list[int] = []
+        random_rows: list[int] = []
+        for i, row in enumerate(rows):  # one pass: this runs for every row of every step
+            params = row.params
+            if params.min_tokens and row.below_min_tokens:
+                min_tokens_rows.append(i)
+            if params.has_penalties:
+                penalty_rows.append(i)
+            if params.logit_bias:
+                bias_rows.append(i)
+            if not params.greedy:
+                random_rows.append(i)
         if not (min_tokens_rows or penalty_rows or bias_rows or random_rows):
             # Hot path: the argmax is the same in any dtype, so skip the float32 copy.
             return kernels.argmax_rows(logits)
