@@ -1,0 +1,24 @@
+"""Random GGUF blocks written by the spec's byte layouts (the ``gguf`` package cannot write
+K-quants): random code and scale bytes, with the fp16 super-block scales set to finite values of a
+size that keeps the weights O(1)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK_BYTES = {"Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+# where each type keeps its fp16 scales, and their magnitude
+_FP16_FIELDS = {"Q8_0": [(0, 1 / 64)], "Q4_K": [(0, 1 / 256), (2, 1 / 128)],
+                "Q5_K": [(0, 1 / 512), (2, 1 / 128)], "Q6_K": [(208, 1 / 1024)]}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """[rows, cols / block weights * block bytes] uint8: a ``kind`` tensor of shape [rows, cols]."""
+    rng = np.random.default_rng(seed)
+    blocks = rows * cols // BLOCK_WEIGHTS[kind]
+    raw = rng.integers(0, 256, size=(blocks, BLOCK_BYTES[kind]), dtype=np.uint8)
+    for offset, size in _FP16_FIELDS[kind]:
+        value = (rng.uniform(0.5, 1.5, size=blocks) * size).astype(np.float16)
+        raw[:, offset:offset + 2] = value.view(np.uint8).reshape(blocks, 2)
+    return raw.reshape(rows, -1)

@@ -1,0 +1,45 @@
+"""GGUF's Q8_0 / Q4_K / Q5_K / Q6_K blocks (and Q4_0 / Q4_1) decoded into the grouped int8 layout
+exactly, against the ``gguf`` package's dequantize; the grouped kernel against its reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kquant_blocks import random_blocks
+
+from backend.models.gguf_blocks import int8g_from_gguf
+from tandem_kernels import gguf_reference
+
+gguf = pytest.importorskip("gguf")
+
+KINDS = ["Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def oracle(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> torch.Tensor:
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)).reshape(shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_decode_exactly_as_ggufs_dequantize(kind):
+    shape = (6, 512)
+    raw = random_blocks(kind, *shape, seed=KINDS.index(kind))
+    codes, scales = int8g_from_gguf(raw, kind, shape)
+    assert codes.dtype == torch.int8 and scales.shape == (6, 512 // 16, 2)
+    assert torch.equal(gguf_reference.int8g_dequantize(codes, scales), oracle(raw, kind, shape))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_blocks_also_fit_the_grouped_layout(kind):
+    shape = (5, 96)
+    rng = np.random.default_rng(1)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    raw = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+    codes, scales = int8g_from_gguf(raw, kind, shape)
+    assert torch.equal(gguf_reference.int8g_dequantize(codes, scales), oracle(raw, kind, shape))
+
+
+def test_unknown_block_type_is_refused_by_name():
+    with pytest.raises(ValueError, match="Q2_K"):
+        int8g_from_gguf(np.zeros((1, 84), np.uint8), "Q2_K", (1, 256))
