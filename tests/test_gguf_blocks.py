@@ -43,3 +43,23 @@ def test_q4_blocks_also_fit_the_grouped_layout(kind):
 def test_unknown_block_type_is_refused_by_name():
     with pytest.raises(ValueError, match="Q2_K"):
         int8g_from_gguf(np.zeros((1, 84), np.uint8), "Q2_K", (1, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_grouped_kernel_matches_its_reference(dtype, rows):
+    import tandem_kernels.cpu
+
+    if not tandem_kernels.cpu.available():
+        pytest.skip("needs the fused CPU kernels")
+    shape = (21, 512)  # N not a multiple of the kernel's 8-row panels
+    codes, scales = int8g_from_gguf(random_blocks("Q4_K", *shape, seed=3), "Q4_K", shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+    bias = torch.randn(shape[0])
+    got = tandem_kernels.cpu.gguf_int8g_linear(x, codes, scales, bias)
+    want = gguf_reference.int8g_linear(x, codes, scales, bias)
+    assert got.dtype == dtype and got.shape == (rows, shape[0])
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    alone = tandem_kernels.cpu.gguf_int8g_linear(x[-1:], codes, scales, bias)
+    assert torch.equal(alone[0], got[-1])  # batch-invariant: a row's sums never depend on M
