@@ -22,3 +22,12 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         value = (rng.uniform(0.5, 1.5, size=blocks) * size).astype(np.float16)
         raw[:, offset:offset + 2] = value.view(np.uint8).reshape(blocks, 2)
     return raw.reshape(rows, -1)
+
+
+def q2_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A Q2_K tensor (84 bytes a 256-weight block: scales[16], qs[64], d fp16, dmin fp16): a type
+    quantization='gguf' does not serve packed."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // 256, 84), dtype=np.uint8)
+    raw[:, 80:84] = np.array([1 / 512, 1 / 512], dtype=np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
