@@ -9,7 +9,7 @@ import torch
 import kquant_blocks
 from kquant_blocks import random_blocks
 
-from backend.models.gguf_blocks import int8g_from_gguf
+from backend.models.gguf_blocks import int4f_from_gguf, int8g_from_gguf
 from tandem_kernels import gguf_reference
 
 gguf = pytest.importorskip("gguf")
@@ -46,23 +46,34 @@ def test_unknown_block_type_is_refused_by_name():
         int8g_from_gguf(np.zeros((1, 84), np.uint8), "Q2_K", (1, 256))
 
 
+def test_q4_k_fits_four_bit_codes_with_fp32_scales():
+    shape = (3, 512)
+    raw = random_blocks("Q4_K", *shape, seed=7)
+    qweight, scales = int4f_from_gguf(raw, "Q4_K", shape)
+    assert qweight.shape == (3, 256) and scales.shape == (3, 16, 2)
+    assert torch.equal(gguf_reference.int4f_dequantize(qweight, scales), oracle(raw, "Q4_K", shape))
+
+
+@pytest.mark.parametrize("layout", ["int8g", "int4f"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_grouped_kernel_matches_its_reference(dtype, rows):
+def test_grouped_kernels_match_their_references(layout, dtype, rows):
     import tandem_kernels.cpu
 
     if not tandem_kernels.cpu.available():
         pytest.skip("needs the fused CPU kernels")
     shape = (21, 512)  # N not a multiple of the kernel's 8-row panels
-    codes, scales = int8g_from_gguf(random_blocks("Q4_K", *shape, seed=3), "Q4_K", shape)
+    decode = int8g_from_gguf if layout == "int8g" else int4f_from_gguf
+    codes, scales = decode(random_blocks("Q4_K", *shape, seed=3), "Q4_K", shape)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
     bias = torch.randn(shape[0])
-    got = tandem_kernels.cpu.gguf_int8g_linear(x, codes, scales, bias)
-    want = gguf_reference.int8g_linear(x, codes, scales, bias)
+    kernel = getattr(tandem_kernels.cpu, f"gguf_{layout}_linear")
+    got = kernel(x, codes, scales, bias)
+    want = getattr(gguf_reference, f"{layout}_linear")(x, codes, scales, bias)
     assert got.dtype == dtype and got.shape == (rows, shape[0])
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(got, want, **tol)
-    alone = tandem_kernels.cpu.gguf_int8g_linear(x[-1:], codes, scales, bias)
+    alone = kernel(x[-1:], codes, scales, bias)
     assert torch.equal(alone[0], got[-1])  # batch-invariant: a row's sums never depend on M
 
 
@@ -80,6 +91,8 @@ def mixed_type(name: str):
              "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q6_K"}
     if name == "blk.1.ffn_down.weight":
         return "Q4_1"
+    if name == "blk.1.ffn_up.weight":  # layer 1's gate_up: Q4_K | Q4_0, 4-bit codes with fp32 scales
+        return "Q4_0"
     if name.startswith("blk.1.attn_output"):
         return "Q4_0"
     return kinds[name.split(".")[-2]]
@@ -130,9 +143,14 @@ def test_mixed_kquant_gguf_is_served_packed_with_the_dequantized_models_greedy_t
     converted = dict(iter_weights(packed.config.model_path))
     qkv = modules["model.layers.0.self_attn.qkv_proj"]  # Q4_K | Q6_K | Q8_0 rows
     want = torch.cat([converted[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(gguf_reference.int8g_dequantize(qkv.int8g_codes, qkv.int8g_scales), want)
+    assert qkv.gguf_layout == "int8g"
+    assert torch.equal(gguf_reference.int8g_dequantize(qkv.gguf_codes, qkv.gguf_scales), want)
+    gate_up = modules["model.layers.1.mlp.gate_up_proj"]  # Q4_K | Q4_0 rows
+    want = torch.cat([converted[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert gate_up.gguf_layout == "int4f"
+    assert torch.equal(gguf_reference.int4f_dequantize(gate_up.gguf_codes, gate_up.gguf_scales), want)
     assert hasattr(modules["model.layers.1.self_attn.o_proj"], "int4_weight")  # all Q4_0: the int4 kernel
-    assert hasattr(modules["lm_head"], "int8g_codes")
+    assert modules["lm_head"].gguf_layout == "int8g"
 
     prompts = random_prompts([3, 17, 40], 128)  # the tiny vocabulary
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -157,7 +175,7 @@ def test_the_repack_is_cached_and_mapped_on_later_loads(mixed_gguf, monkeypatch)
     monkeypatch.setattr(gguf_packed, "pack_tensors", no_repack)
     again = engine_for(mixed_gguf, quantization="gguf", dtype="float32")
     layer = dict(again.executor.worker.runner.model.named_modules())["model.layers.0.mlp.gate_up_proj"]
-    assert layer.int8g_codes.shape == (2 * FFN, HIDDEN)
+    assert layer.gguf_codes.shape == (2 * FFN, HIDDEN)
 
 
 def test_an_unsupported_quantized_type_is_refused_by_name(tmp_path):

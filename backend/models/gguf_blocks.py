@@ -111,3 +111,19 @@ def int8g_from_gguf(data: np.ndarray, kind: str, shape: tuple[int, int]) -> tupl
     codes = torch.from_numpy(np.ascontiguousarray(codes)).reshape(n, k)
     scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(n, k // GROUP, 2)
     return codes, scales
+
+
+INT4F_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit codes with one (s, m) per 32 weights
+
+
+def int4f_from_gguf(data: np.ndarray, kind: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0, Q4_1 or Q4_K tensor -> (qweight [N, K / 2] uint8 in the int4 kernel's nibble order,
+    scales [N, K / 32, 2] float32): ``int8g_from_gguf``'s values in 6 bits a weight."""
+    from backend.models.int4_weights import pack_nibbles
+
+    if kind not in INT4F_TYPES:
+        raise ValueError(f"GGUF type {kind} has no 4-bit form")
+    n, k = shape
+    codes, scales = int8g_from_gguf(data, kind, shape)  # scales repeat each 32-group's pair twice
+    qweight = pack_nibbles(codes.view(torch.uint8).view(n, k // 32, 32))
+    return qweight, scales[:, ::2].contiguous()

@@ -1,7 +1,7 @@
 """``quantization="gguf"``: a Llama-family GGUF file served with its Q4_0, Q4_1, Q4_K, Q5_K, Q6_K
 and Q8_0 linear weights kept packed: a layer whose tensors are all Q4_0 / Q4_1 in the int4 kernel's
-layout (backend/models/int4_weights.py, which holds both exactly), any other mix of the six types in
-the grouped int8 layout (backend/models/gguf_blocks.py: int8 codes, fp32 (s, m) per 16 weights),
+layout (backend/models/int4_weights.py, which holds both exactly), one of Q4_K (and Q4_0 / Q4_1) in
+4-bit codes with fp32 scales (int4f), any other mix of the six types in the grouped int8 layout (backend/models/gguf_blocks.py: int8 codes, fp32 (s, m) per 16 weights),
 each part decoded by its own type, so a fused qkv or gate_up whose parts differ is a run of rows
 per part. A quantized type outside the six is refused, naming it and its tensor. The repack is done
 once and saved beside the converted checkpoint (``PACK_CACHE``); later loads map that file.
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from backend.models.gguf_blocks import int8g_from_gguf
+from backend.models.gguf_blocks import INT4F_TYPES, int4f_from_gguf, int8g_from_gguf
 from backend.models.int4_weights import int4_from_gguf
 from backend.models.linear import LinearBase
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 INT4_TYPES = ("Q4_0", "Q4_1")  # served by the int4 kernel when a layer is all of these
 PACKED_TYPES = (*INT4_TYPES, "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")  # dequantized (converted) like any checkpoint
-PACK_CACHE = "tandem-gguf-packed-v1.pt"  # in the converted checkpoint's directory
+PACK_CACHE = "tandem-gguf-packed-v2.pt"  # in the converted checkpoint's directory
 MODEL_TYPES = ("llama",)  # GGUF's llama tensor names and q/k row order
 
 
@@ -71,8 +71,8 @@ def check_gguf_model_type(hf_config) -> None:
 
 
 def pack_tensors(gguf_file: Path, hf_config) -> dict[str, tuple]:
-    """Every packable linear module's packed form: name -> ("int4", qweight, scales) or ("int8g",
-    codes, scales), in Tandem's row order. Raises ValueError naming a quantized tensor of a type
+    """Every packable linear module's packed form: name -> ("int4" | "int4f", qweight, scales) or
+    ("int8g", codes, scales), in Tandem's row order. Raises ValueError naming a quantized tensor of a type
     outside PACKED_TYPES."""
     import gguf
 
@@ -87,8 +87,9 @@ def pack_tensors(gguf_file: Path, hf_config) -> dict[str, tuple]:
                                  f"serves {', '.join(PACKED_TYPES)} packed and {', '.join(PLAIN_TYPES)} plain")
         if any(kind not in PACKED_TYPES for kind in kinds):
             continue
-        layout = "int4" if all(kind in INT4_TYPES for kind in kinds) else "int8g"
-        decode = int4_from_gguf if layout == "int4" else int8g_from_gguf
+        layout = ("int4" if all(kind in INT4_TYPES for kind in kinds) else
+                  "int4f" if all(kind in INT4F_TYPES for kind in kinds) else "int8g")
+        decode = {"int4": int4_from_gguf, "int4f": int4f_from_gguf, "int8g": int8g_from_gguf}[layout]
         codes, scales = [], []
         for part, kind, (_, heads) in zip(parts, kinds, sources):
             k, n = (int(d) for d in part.shape[:2])  # GGUF lists the row length first
@@ -117,7 +118,7 @@ def cached_packs(gguf_file: Path, hf_config, cache_dir: Optional[Path]) -> dict[
 
 
 def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_dir: Optional[Path] = None) -> int:
-    """Set ``layer.gguf_int4 = (qweight, scales)`` or ``layer.gguf_int8g = (codes, scales)`` on each
+    """Set ``layer.gguf_int4`` / ``gguf_int4f`` / ``gguf_int8g`` = (codes, scales) on each
     linear layer of ``model`` whose GGUF tensors are all of PACKED_TYPES; returns how many layers
     got one."""
     check_gguf_model_type(hf_config)
@@ -127,7 +128,7 @@ def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_di
         module = modules.get(name)
         if not isinstance(module, LinearBase):  # e.g. a layer of another pipeline stage
             continue
-        width = codes.shape[1] * (2 if layout == "int4" else 1)
+        width = codes.shape[1] * (1 if layout == "int8g" else 2)
         if (codes.shape[0], width) != tuple(module.weight.shape):
             raise ValueError(f"{gguf_file.name}: the packed {name} holds {codes.shape[0]} x {width} weights; "
                              f"the layer's weight is {tuple(module.weight.shape)}")

@@ -31,3 +31,22 @@ def int8g_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if x.dtype == torch.bfloat16:
         weight = weight.bfloat16().float()
     return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+def int4f_dequantize(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """qweight [N, K / 2] uint8 (int4_linear's nibble order), scales [N, K / 32, 2] float32 (s, m) ->
+    weight [N, K] float32, s * q + m: the int4 layout with fp32 scales (Q4_K's d * sc is not an
+    fp16 value)."""
+    n = qweight.shape[0]
+    q = qweight.view(n, -1, 16)  # [N, G, 16]
+    nibbles = torch.cat([q & 15, q >> 4], dim=2).float()  # [N, G, 32]
+    return (nibbles * scales[..., :1] + scales[..., 1:]).view(n, -1)
+
+
+def int4f_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``int8g_linear``'s contract with int4f_dequantize's weights."""
+    weight = int4f_dequantize(qweight, scales)
+    if x.dtype == torch.bfloat16:
+        weight = weight.bfloat16().float()
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
