@@ -9,7 +9,9 @@
 //     scales  [N, K / 32, 2] float32 (s, m) per row and 32-wide group
 // In both, w[n, k] = s * q + m in fp32 (s * q is exact for every GGUF code, so one rounding).
 //
-// Each thread takes panels of kPanelRows weight rows, dequantizes them once into a float buffer
+// Up to kRegisterRows rows of x (decode), each thread dequantizes 16 weights at a time and adds
+// their products to every row's sums. More rows: each thread takes panels of kPanelRows weight
+// rows, dequantizes them once into a float buffer
 // (rounded to bf16 when x is bf16: the model with dequantized weights in the serving dtype, every
 // product exact), then runs every row of x over them: a prompt pays the dequantization once per
 // call, not once per row. Each output is the dot product in 16 fp32 lanes over K, the lanes summed
@@ -20,6 +22,7 @@
 
 #include <torch/library.h>
 
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -29,21 +32,34 @@ namespace tandem {
 namespace {
 
 constexpr int64_t kGroup = 16;
-constexpr int64_t kPanelRows = 8;
+constexpr int64_t kPanelRows = 8;     // weight rows dequantized together for more rows of x
+constexpr int64_t kRegisterRows = 4;  // up to this many rows of x: dequantize 16 weights at a time
 
-inline float dot16(const float* __restrict x, const float* __restrict w, int64_t k_size) {
-  float acc[16] = {0};
-  for (int64_t k = 0; k < k_size; k += 16) {
-    for (int j = 0; j < 16; ++j) acc[j] += x[k + j] * w[k + j];
-  }
+// The 16 lanes summed in a fixed tree (every path: a row's result never depends on M).
+inline float reduce16(float* acc) {
   for (int width = 8; width >= 1; width /= 2) {
     for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
   }
   return acc[0];
 }
 
-inline void round_to_bf16(float* __restrict w, int64_t k_size) {
-  for (int64_t k = 0; k < k_size; ++k) w[k] = static_cast<float>(c10::BFloat16(w[k]));
+inline float dot16(const float* __restrict x, const float* __restrict w, int64_t k_size) {
+  float acc[16] = {0};
+  for (int64_t k = 0; k < k_size; k += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += x[k + j] * w[k + j];
+  }
+  return reduce16(acc);
+}
+
+// Round to the nearest bf16, ties to even (finite values: GGUF weights are), in bit operations the
+// compiler vectorizes: c10::BFloat16's rounding, without its NaN branch.
+inline void round_to_bf16(float* __restrict w, int64_t count) {
+  for (int64_t k = 0; k < count; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, &w[k], 4);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&w[k], &bits, 4);
+  }
 }
 
 // One weight row of the int8g layout -> K floats.
@@ -58,6 +74,12 @@ struct Int8gRows {
       const float scale = s[2 * g], min = s[2 * g + 1];
       for (int j = 0; j < kGroup; ++j) out[g * kGroup + j] = static_cast<float>(q[g * kGroup + j]) * scale + min;
     }
+  }
+  // weights [k, k + 16) of row n, k a multiple of 16: the same values as ``dequantize``
+  void dequantize16(int64_t n, int64_t k, float* __restrict out) const {
+    const int8_t* q = codes + n * k_size + k;
+    const float* s = scales + (n * (k_size / kGroup) + k / kGroup) * 2;
+    for (int j = 0; j < 16; ++j) out[j] = static_cast<float>(q[j]) * s[0] + s[1];
   }
 };
 
@@ -77,6 +99,12 @@ struct Int4fRows {
         out[g * 32 + 16 + j] = static_cast<float>(byte >> 4) * scale + min;
       }
     }
+  }
+  void dequantize16(int64_t n, int64_t k, float* __restrict out) const {
+    const uint8_t* q = qweight + n * (k_size / 2) + (k / 32) * 16;
+    const float* s = scales + (n * (k_size / 32) + k / 32) * 2;
+    const int shift = (k % 32) ? 4 : 0;
+    for (int j = 0; j < 16; ++j) out[j] = static_cast<float>((q[j] >> shift) & 15) * s[0] + s[1];
   }
 };
 
@@ -99,7 +127,22 @@ Tensor grouped_linear(const Tensor& x, const Rows& weights, int64_t n_size, cons
   Tensor out = at::empty({m_size, n_size}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   float* op_out = out.data_ptr<float>();
-  at::parallel_for(0, (n_size + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+  if (m_size <= kRegisterRows) {  // decode: 16 weights at a time, straight into the sums
+    at::parallel_for(0, n_size, kPanelRows, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        float acc[kRegisterRows][16] = {};
+        float w[16];
+        for (int64_t k = 0; k < k_size; k += 16) {
+          weights.dequantize16(n, k, w);
+          if (round_bf16) round_to_bf16(w, 16);
+          for (int64_t m = 0; m < m_size; ++m) {
+            for (int j = 0; j < 16; ++j) acc[m][j] += xp[m * k_size + k + j] * w[j];
+          }
+        }
+        for (int64_t m = 0; m < m_size; ++m) op_out[m * n_size + n] = reduce16(acc[m]);
+      }
+    });
+  } else at::parallel_for(0, (n_size + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanelRows * k_size);  // [kPanelRows, K] dequantized rows, in cache
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanelRows, rows = std::min(kPanelRows, n_size - n0);
