@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from backend.engine.llm_engine import LLMEngine
 from backend.types.config import EngineConfig
 
-FUZZ_BATCHES_CI = 350
+FUZZ_BATCHES_CI = 375
 # name -> its share of FUZZ_BATCHES_CI
 CI_SHARE = {"fp32-eager-ngram-tight": 80, "fp32-graphs": 40, "fp32-graphs-async-tight": 40,
             "bf16-graphs-ngram": 40, "bf16-eager-no-prefix-cache": 40, "fp16-eager-fp8-kv": 40,
-            "bf16-w8a8-graphs-ngram": 30, "bf16-int4-graphs": 40}
+            "bf16-w8a8-graphs-ngram": 30, "bf16-int4-graphs": 40, "bf16-gguf-q4km": 25}
 MAX_MODEL_LEN = 64
 EOS = 2  # the tiny tokenizer's <|im_end|>: a random model samples it now and then
 
@@ -61,7 +61,11 @@ ENGINES = {
     # int4 weights: the kernel's sums do not depend on the batch, so neither do the results.
     "bf16-int4-graphs": (dict(dtype="bfloat16", quantization="int4", enforce_eager=False, num_kv_blocks=48,
                               max_num_seqs=8, max_num_batched_tokens=32), True),
+    # A Q4_K_M-like GGUF file (Q4_K, Q6_K) served packed: batch-invariant kernels, like int4's.
+    "bf16-gguf-q4km": (dict(dtype="bfloat16", quantization="gguf", enforce_eager=True, num_kv_blocks=48,
+                            max_num_seqs=8, max_num_batched_tokens=32), True),
 }
+GGUF_ENGINES = {"bf16-gguf-q4km"}  # run the tiny GGUF file (fuzz_gguf) instead of the checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,24 @@ def fuzz_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def fuzz_gguf(tmp_path_factory):
+    """A tiny Llama GGUF typed as llama.cpp's Q4_K_M mostly is: Q6_K for attn_v, ffn_down and the
+    LM head, Q4_K elsewhere; EOS is its <|im_end|>, as the checkpoint's."""
+    from test_gguf_blocks import write_mixed_gguf
+
+    def q4km(name):
+        if "norm" in name or name == "token_embd.weight":
+            return None
+        return "Q6_K" if name.split(".")[-2] in ("attn_v", "ffn_down", "output") else "Q4_K"
+
+    return write_mixed_gguf(tmp_path_factory.mktemp("fuzz-gguf") / "tiny-q4km.gguf", q4km)
+
+
 def fuzz_engine(checkpoint, name: str) -> LLMEngine:
     arguments, _ = ENGINES[name]
+    if name in GGUF_ENGINES:  # the file's conversion cached beside it
+        arguments = dict(arguments, download_dir=str(checkpoint.parent / "cache"))
     engine = LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, max_model_len=MAX_MODEL_LEN, seed=0,
                                     **arguments))
     if engine.async_scheduling:  # greedy decode steps left pending on the device, as on CUDA
@@ -108,8 +128,9 @@ def test_the_ci_shares_cover_every_engine_and_add_up():
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(ENGINES))
-def test_batch_mix_fuzzer(fuzz_checkpoint, name):
-    engine = fuzz_engine(fuzz_checkpoint, name)
+def test_batch_mix_fuzzer(request, fuzz_checkpoint, name):
+    checkpoint = request.getfixturevalue("fuzz_gguf") if name in GGUF_ENGINES else fuzz_checkpoint
+    engine = fuzz_engine(checkpoint, name)
     try:
         stats = fuzz(engine, ENGINES[name][1], CI_SHARE[name], derandomize=True)
     finally:

@@ -192,14 +192,18 @@ def test_unreadable_config_is_a_model_error(tmp_path, config_text):
 
 
 def write_tiny_llama_gguf(path: Path, types: Optional[Callable[[str], Optional[str]]] = None,
-                          untied: bool = False) -> dict[str, np.ndarray]:
+                          untied: bool = False, hidden: int = 32, ffn: int = 64,
+                          raw_blocks: Optional[Callable[[str, tuple[int, int]], np.ndarray]] = None
+                          ) -> dict[str, np.ndarray]:
     """A random llama GGUF with a byte-level tokenizer and a chat template; its tensors (before any
     quantization). Tensors are fp32 unless ``types(name)`` names a GGML type (e.g. "Q4_0") to
-    quantize them to; ``untied``: with an output.weight (else the LM head is the embedding)."""
+    quantize them to; ``untied``: with an output.weight (else the LM head is the embedding).
+    ``raw_blocks(kind, shape)``, if given, writes a quantized tensor's blocks instead (e.g. K-quants,
+    which the gguf package cannot quantize to)."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    hidden, layers, ffn, heads, kv_heads = 32, 2, 64, 4, 2
+    layers, heads, kv_heads = 2, 4, 2
     head_dim = hidden // heads
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + list(bytes_to_unicode().values())[: TINY_VOCAB - len(specials) - 1] + ["ab"]
@@ -242,7 +246,8 @@ def write_tiny_llama_gguf(path: Path, types: Optional[Callable[[str], Optional[s
             writer.add_tensor(name, array)
         else:
             qtype = getattr(gguf.GGMLQuantizationType, kind)
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            blocks = raw_blocks(kind, array.shape) if raw_blocks else gguf.quants.quantize(array, qtype)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

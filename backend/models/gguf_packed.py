@@ -1,13 +1,18 @@
-"""``quantization="gguf"``: a Llama-family GGUF file served with its Q4_0 / Q4_1 linear weights
-kept packed (the int4 kernel's layout holds both exactly, backend/models/int4_weights.py).
+"""``quantization="gguf"``: a Llama-family GGUF file served with its Q4_0, Q4_1, Q4_K, Q5_K, Q6_K
+and Q8_0 linear weights kept packed: a layer whose tensors are all Q4_0 / Q4_1 in the int4 kernel's
+layout (backend/models/int4_weights.py, which holds both exactly), one of Q4_K (and Q4_0 / Q4_1) in
+4-bit codes with fp32 scales (int4f), any other mix of the six types in the grouped int8 layout (backend/models/gguf_blocks.py: int8 codes, fp32 (s, m) per 16 weights),
+each part decoded by its own type, so a fused qkv or gate_up whose parts differ is a run of rows
+per part. A quantized type outside the six is refused, naming it and its tensor. The repack is done
+once and saved beside the converted checkpoint (``PACK_CACHE``); later loads map that file.
 
 The file is still converted once into a Hugging Face directory (backend/models/conversion.py:
 config, tokenizer, chat template, and every tensor dequantized); the model loads that as usual,
 then ``attach_packed_weights`` reads the file's quantized tensors and hands each linear layer whose
-every source tensor is Q4_0 or Q4_1 its packed form (``layer.gguf_int4``), which
+every source tensor is packed its packed form (``layer.gguf_int4`` or ``layer.gguf_int8g``), which
 ``GgufLinearMethod`` (linear_methods.py) keeps in place of the dequantized weight. Other layers
-(other GGUF types, F32/F16 tensors, the embedding) run their dequantized weight in the serving
-dtype, as without ``quantization="gguf"``.
+(F32/F16/BF16 tensors, the embedding) run their dequantized weight in the serving dtype, as
+without ``quantization="gguf"``.
 
 llama.cpp stores attn_q and attn_k with their rows in a rotary-interleaved order; transformers puts
 them back when converting, and so does this file (rows only: each row's groups are untouched).
@@ -16,18 +21,23 @@ them back when converting, and so does this file (rows only: each row's groups a
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 
+from backend.models.gguf_blocks import INT4F_TYPES, int4f_from_gguf, int8g_from_gguf
 from backend.models.int4_weights import int4_from_gguf
 from backend.models.linear import LinearBase
 
 logger = logging.getLogger(__name__)
 
-PACKED_TYPES = ("Q4_0", "Q4_1")
+INT4_TYPES = ("Q4_0", "Q4_1")  # served by the int4 kernel when a layer is all of these
+PACKED_TYPES = (*INT4_TYPES, "Q4_K", "Q5_K", "Q6_K", "Q8_0")
+PLAIN_TYPES = ("F32", "F16", "BF16", "F64")  # dequantized (converted) like any checkpoint
+PACK_CACHE = "tandem-gguf-packed-v2.pt"  # in the converted checkpoint's directory
 MODEL_TYPES = ("llama",)  # GGUF's llama tensor names and q/k row order
 
 
@@ -60,36 +70,69 @@ def check_gguf_model_type(hf_config) -> None:
                          f"this one is {hf_config.model_type!r}")
 
 
-def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config) -> int:
-    """Set ``layer.gguf_int4 = (qweight, scales)`` on each linear layer of ``model`` whose GGUF
-    tensors are all Q4_0 / Q4_1; returns how many layers got one."""
+def pack_tensors(gguf_file: Path, hf_config) -> dict[str, tuple]:
+    """Every packable linear module's packed form: name -> ("int4" | "int4f", qweight, scales) or
+    ("int8g", codes, scales), in Tandem's row order. Raises ValueError naming a quantized tensor of a type
+    outside PACKED_TYPES."""
     import gguf
 
-    check_gguf_model_type(hf_config)
     tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
-    modules = dict(model.named_modules())
-    packed = 0
+    packs = {}
     for name, sources in llama_sources(hf_config, set(tensors)).items():
-        module = modules.get(name)
         parts = [tensors.get(source) for source, _ in sources]
-        if not isinstance(module, LinearBase):  # e.g. a layer of another pipeline stage
+        kinds = [part.tensor_type.name if part is not None else None for part in parts]
+        for part, kind in zip(parts, kinds):
+            if kind is not None and kind not in PACKED_TYPES + PLAIN_TYPES:
+                raise ValueError(f"{gguf_file.name}: tensor {part.name} is GGUF type {kind}; quantization='gguf' "
+                                 f"serves {', '.join(PACKED_TYPES)} packed and {', '.join(PLAIN_TYPES)} plain")
+        if any(kind not in PACKED_TYPES for kind in kinds):
             continue
-        if any(part is None or part.tensor_type.name not in PACKED_TYPES for part in parts):
-            continue
-        qweights, scales = [], []
-        for part, (_, heads) in zip(parts, sources):
+        layout = ("int4" if all(kind in INT4_TYPES for kind in kinds) else
+                  "int4f" if all(kind in INT4F_TYPES for kind in kinds) else "int8g")
+        decode = {"int4": int4_from_gguf, "int4f": int4f_from_gguf, "int8g": int8g_from_gguf}[layout]
+        codes, scales = [], []
+        for part, kind, (_, heads) in zip(parts, kinds, sources):
             k, n = (int(d) for d in part.shape[:2])  # GGUF lists the row length first
-            q, s = int4_from_gguf(part.data, part.tensor_type.name, (n, k))
+            q, s = decode(part.data, kind, (n, k))
             if heads is not None:
                 order = unpermute_rows(n, heads)
                 q, s = q[order], s[order]
-            qweights.append(q)
+            codes.append(q)
             scales.append(s)
-        qweight, scale = torch.cat(qweights).contiguous(), torch.cat(scales).contiguous()
-        if tuple(qweight.shape) != (module.weight.shape[0], module.weight.shape[1] // 2):
-            raise ValueError(f"{gguf_file.name}: the packed {name} is {tuple(qweight.shape)} bytes; "
+        packs[name] = (layout, torch.cat(codes).contiguous(), torch.cat(scales).contiguous())
+    return packs
+
+
+def cached_packs(gguf_file: Path, hf_config, cache_dir: Optional[Path]) -> dict[str, tuple]:
+    """``pack_tensors``, saved once under ``cache_dir`` (the converted checkpoint's directory, keyed
+    by the file) and memory-mapped from there on later loads."""
+    cache = cache_dir / PACK_CACHE if cache_dir is not None else None
+    if cache is not None and cache.is_file():
+        return torch.load(cache, mmap=True, weights_only=True)
+    packs = pack_tensors(gguf_file, hf_config)
+    if cache is not None:
+        partial = cache.with_suffix(f".partial-{os.getpid()}")
+        torch.save(packs, partial)
+        os.replace(partial, cache)
+    return packs
+
+
+def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_dir: Optional[Path] = None) -> int:
+    """Set ``layer.gguf_int4`` / ``gguf_int4f`` / ``gguf_int8g`` = (codes, scales) on each
+    linear layer of ``model`` whose GGUF tensors are all of PACKED_TYPES; returns how many layers
+    got one."""
+    check_gguf_model_type(hf_config)
+    modules = dict(model.named_modules())
+    packed = 0
+    for name, (layout, codes, scales) in cached_packs(gguf_file, hf_config, cache_dir).items():
+        module = modules.get(name)
+        if not isinstance(module, LinearBase):  # e.g. a layer of another pipeline stage
+            continue
+        width = codes.shape[1] * (1 if layout == "int8g" else 2)
+        if (codes.shape[0], width) != tuple(module.weight.shape):
+            raise ValueError(f"{gguf_file.name}: the packed {name} holds {codes.shape[0]} x {width} weights; "
                              f"the layer's weight is {tuple(module.weight.shape)}")
-        module.gguf_int4 = (qweight, scale)
+        setattr(module, f"gguf_{layout}", (codes, scales))
         packed += 1
-    logger.info("quantization='gguf': %d linear layers keep their Q4 tensors packed", packed)
+    logger.info("quantization='gguf': %d linear layers keep their quantized tensors packed", packed)
     return packed

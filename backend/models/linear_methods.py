@@ -33,8 +33,11 @@
                               dequantized weight (rounded to bf16 for bf16 activations: exact
                               products, vdpbf16ps where the CPU has it), summed in fp32, rounded once
     GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
-                              packed for the int4 kernel (backend/models/gguf_packed.py); every
-                              other layer runs its dequantized weight with the dtype's method
+                              packed for the int4 kernel, its Q4_K layers as 4-bit codes with fp32
+                              scales, Q5_K / Q6_K / Q8_0 (and mixed) layers in a grouped int8
+                              layout (csrc/gguf_linear.cpp)
+                              (backend/models/gguf_packed.py); every other layer runs its
+                              dequantized weight with the dtype's method
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
 own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
@@ -173,6 +176,12 @@ class GgufLinearMethod(Int4LinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         packed = getattr(layer, "gguf_int4", None)
+        for layout in ("int8g", "int4f"):
+            if getattr(layer, f"gguf_{layout}", None) is not None:
+                layer.gguf_layout, (layer.gguf_codes, layer.gguf_scales) = layout, getattr(layer, f"gguf_{layout}")
+                delattr(layer, f"gguf_{layout}")
+                release_weight(layer)
+                return
         if packed is None:
             self.unpacked.process_weights_after_loading(layer)
             return
@@ -184,12 +193,15 @@ class GgufLinearMethod(Int4LinearMethod):
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if hasattr(layer, "gguf_codes"):
+            kernel = getattr(tandem_kernels.cpu, f"gguf_{layer.gguf_layout}_linear")
+            return kernel(x, layer.gguf_codes, layer.gguf_scales, bias)
         if hasattr(layer, "int4_weight"):
             return super().apply(layer, x, bias)
         return self.unpacked.apply(layer, x, bias)
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if hasattr(layer, "int4_weight"):
+        if hasattr(layer, "int4_weight") or hasattr(layer, "gguf_codes"):
             return super().apply_gated(layer, x, bias)
         return self.unpacked.apply_gated(layer, x, bias)
 

@@ -80,7 +80,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iter_weights(self.config.model_path))
         if self.config.quantization == "gguf":  # the file's Q4 tensors, packed, beside the dequantized ones
-            attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config)
+            attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config,
+                                  self.config.model_path)
         method = linear_method_for(self.device, self.dtype, self.config.quantization)
         for module in model.modules():
             if isinstance(module, LinearBase):

@@ -288,3 +288,17 @@ def w8a8_linear_packed(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     """``w8a8_linear(x, weight, scale, bias)`` with packed = ``w8a8_pack_weight(weight)``: the
     reference's math on AVX-512 VNNI (one vpdpbusd lane per output column), batch-invariant."""
     return torch.ops.tandem_cpu.w8a8_linear_packed(x, packed, scale, bias)
+
+
+def gguf_int8g_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """gguf_reference.int8g_linear: x [M, K] float32/bf16 @ int8g_dequantize(codes [N, K] int8,
+    scales [N, K / 16, 2] float32)^T + bias -> [M, N] in x's dtype (csrc/gguf_linear.cpp)."""
+    return torch.ops.tandem_cpu.gguf_int8g_linear(x, codes, scales, bias)
+
+
+def gguf_int4f_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """gguf_reference.int4f_linear: x [M, K] float32/bf16 @ int4f_dequantize(qweight [N, K / 2] uint8,
+    scales [N, K / 32, 2] float32)^T + bias -> [M, N] in x's dtype (csrc/gguf_linear.cpp)."""
+    return torch.ops.tandem_cpu.gguf_int4f_linear(x, qweight, scales, bias)

@@ -1,0 +1,200 @@
+// GGUF weights kept packed (tandem_kernels.gguf_reference), float32 or bf16 activations, in two layouts:
+//
+// gguf_int8g_linear, the grouped int8 layout (any of Q4_0..Q8_0, Q4_K, Q5_K, Q6_K):
+//     codes  [N, K] int8             one integer code per weight
+//     scales [N, K / 16, 2] float32  (s, m) per row and 16-wide group
+// gguf_int4f_linear, 4-bit codes with fp32 scales (Q4_K, Q4_0, Q4_1: 6 bits a weight):
+//     qweight [N, K / 2] uint8       int4_linear.cpp's nibble order: byte i of group g holds element
+//                                    32 g + i in its low nibble and 32 g + 16 + i in its high one
+//     scales  [N, K / 32, 2] float32 (s, m) per row and 32-wide group
+// In both, w[n, k] = s * q + m in fp32 (s * q is exact for every GGUF code, so one rounding).
+//
+// Up to kRegisterRows rows of x (decode), each thread dequantizes 16 weights at a time and adds
+// their products to every row's sums. More rows: each thread takes panels of kPanelRows weight
+// rows, dequantizes them once into a float buffer
+// (rounded to bf16 when x is bf16: the model with dequantized weights in the serving dtype, every
+// product exact), then runs every row of x over them: a prompt pays the dequantization once per
+// call, not once per row. Each output is the dot product in 16 fp32 lanes over K, the lanes summed
+// in a fixed tree, plus the bias, rounded once to x's dtype. The order depends on K only, never on
+// M, so a row's result does not depend on the batch it runs in.
+//
+// Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
+
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "ops.h"
+
+namespace tandem {
+namespace {
+
+constexpr int64_t kGroup = 16;
+constexpr int64_t kPanelRows = 8;     // weight rows dequantized together for more rows of x
+constexpr int64_t kRegisterRows = 4;  // up to this many rows of x: dequantize 16 weights at a time
+
+// The 16 lanes summed in a fixed tree (every path: a row's result never depends on M).
+inline float reduce16(float* acc) {
+  for (int width = 8; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+  }
+  return acc[0];
+}
+
+inline float dot16(const float* __restrict x, const float* __restrict w, int64_t k_size) {
+  float acc[16] = {0};
+  for (int64_t k = 0; k < k_size; k += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += x[k + j] * w[k + j];
+  }
+  return reduce16(acc);
+}
+
+// Round to the nearest bf16, ties to even (finite values: GGUF weights are), in bit operations the
+// compiler vectorizes: c10::BFloat16's rounding, without its NaN branch.
+inline void round_to_bf16(float* __restrict w, int64_t count) {
+  for (int64_t k = 0; k < count; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, &w[k], 4);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&w[k], &bits, 4);
+  }
+}
+
+// One weight row of the int8g layout -> K floats.
+struct Int8gRows {
+  const int8_t* codes;
+  const float* scales;
+  int64_t k_size;
+  void dequantize(int64_t n, float* __restrict out) const {
+    const int8_t* q = codes + n * k_size;
+    const float* s = scales + n * (k_size / kGroup) * 2;
+    for (int64_t g = 0; g < k_size / kGroup; ++g) {
+      const float scale = s[2 * g], min = s[2 * g + 1];
+      for (int j = 0; j < kGroup; ++j) out[g * kGroup + j] = static_cast<float>(q[g * kGroup + j]) * scale + min;
+    }
+  }
+  // weights [k, k + 16) of row n, k a multiple of 16: the same values as ``dequantize``
+  void dequantize16(int64_t n, int64_t k, float* __restrict out) const {
+    const int8_t* q = codes + n * k_size + k;
+    const float* s = scales + (n * (k_size / kGroup) + k / kGroup) * 2;
+    for (int j = 0; j < 16; ++j) out[j] = static_cast<float>(q[j]) * s[0] + s[1];
+  }
+};
+
+// One weight row of the int4f layout -> K floats.
+struct Int4fRows {
+  const uint8_t* qweight;
+  const float* scales;
+  int64_t k_size;
+  void dequantize(int64_t n, float* __restrict out) const {
+    const uint8_t* q = qweight + n * (k_size / 2);
+    const float* s = scales + n * (k_size / 32) * 2;
+    for (int64_t g = 0; g < k_size / 32; ++g) {
+      const float scale = s[2 * g], min = s[2 * g + 1];
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = q[g * 16 + j];
+        out[g * 32 + j] = static_cast<float>(byte & 15) * scale + min;
+        out[g * 32 + 16 + j] = static_cast<float>(byte >> 4) * scale + min;
+      }
+    }
+  }
+  void dequantize16(int64_t n, int64_t k, float* __restrict out) const {
+    const uint8_t* q = qweight + n * (k_size / 2) + (k / 32) * 16;
+    const float* s = scales + (n * (k_size / 32) + k / 32) * 2;
+    const int shift = (k % 32) ? 4 : 0;
+    for (int j = 0; j < 16; ++j) out[j] = static_cast<float>((q[j] >> shift) & 15) * s[0] + s[1];
+  }
+};
+
+void check_x(const Tensor& x, const char* op, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": x must be [M, K] float32 or bfloat16");
+  TORCH_CHECK(x.size(1) % group == 0, op, ": K (", x.size(1), ") must be a multiple of ", group);
+}
+
+// x [M, K] @ rows' weights [N, K]^T + bias -> [M, N] in x's dtype (see the top of the file).
+template <typename Rows>
+Tensor grouped_linear(const Tensor& x, const Rows& weights, int64_t n_size, const c10::optional<Tensor>& bias,
+                      const char* op) {
+  const int64_t m_size = x.size(0), k_size = x.size(1);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n_size, op, ": bias must have N elements");
+  }
+  const bool round_bf16 = x.scalar_type() == at::kBFloat16;
+  const Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
+  Tensor out = at::empty({m_size, n_size}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* op_out = out.data_ptr<float>();
+  if (m_size <= kRegisterRows) {  // decode: 16 weights at a time, straight into the sums
+    at::parallel_for(0, n_size, kPanelRows, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        float acc[kRegisterRows][16] = {};
+        float w[16];
+        for (int64_t k = 0; k < k_size; k += 16) {
+          weights.dequantize16(n, k, w);
+          if (round_bf16) round_to_bf16(w, 16);
+          for (int64_t m = 0; m < m_size; ++m) {
+            for (int j = 0; j < 16; ++j) acc[m][j] += xp[m * k_size + k + j] * w[j];
+          }
+        }
+        for (int64_t m = 0; m < m_size; ++m) op_out[m * n_size + n] = reduce16(acc[m]);
+      }
+    });
+  } else at::parallel_for(0, (n_size + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kPanelRows * k_size);  // [kPanelRows, K] dequantized rows, in cache
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanelRows, rows = std::min(kPanelRows, n_size - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        weights.dequantize(n0 + r, panel.data() + r * k_size);
+        if (round_bf16) round_to_bf16(panel.data() + r * k_size, k_size);
+      }
+      for (int64_t m = 0; m < m_size; ++m) {
+        for (int64_t r = 0; r < rows; ++r) {
+          op_out[m * n_size + n0 + r] = dot16(xp + m * k_size, panel.data() + r * k_size, k_size);
+        }
+      }
+    }
+  });
+  if (bias.has_value()) out.add_(bias->to(at::kFloat).view({1, n_size}));
+  return out.to(x.scalar_type());
+}
+
+Tensor gguf_int8g_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const c10::optional<Tensor>& bias) {
+  check_x(x, "gguf_int8g_linear", kGroup);
+  const int64_t k_size = x.size(1), n_size = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) == k_size,
+              "gguf_int8g_linear: codes must be contiguous [N, K] int8");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == n_size && scales.size(1) == k_size / kGroup && scales.size(2) == 2,
+              "gguf_int8g_linear: scales must be contiguous [N, K / 16, 2] float32");
+  return grouped_linear(x, Int8gRows{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), k_size}, n_size, bias,
+                        "gguf_int8g_linear");
+}
+
+Tensor gguf_int4f_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
+  check_x(x, "gguf_int4f_linear", 32);
+  const int64_t k_size = x.size(1), n_size = qweight.size(0);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.size(1) == k_size / 2,
+              "gguf_int4f_linear: qweight must be contiguous [N, K / 2] uint8");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == n_size && scales.size(1) == k_size / 32 && scales.size(2) == 2,
+              "gguf_int4f_linear: scales must be contiguous [N, K / 32, 2] float32");
+  return grouped_linear(x, Int4fRows{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), k_size}, n_size, bias,
+                        "gguf_int4f_linear");
+}
+
+}  // namespace
+}  // namespace tandem
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("gguf_int8g_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("gguf_int4f_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("gguf_int8g_linear", &tandem::gguf_int8g_linear);
+  m.impl("gguf_int4f_linear", &tandem::gguf_int4f_linear);
+}

@@ -1,0 +1,52 @@
+"""Plain-torch twins of the grouped int8 GGUF kernel (csrc/gguf_linear.cpp): the oracle its tests
+compare against, and what runs where the kernels are not built.
+
+    codes  [N, K] int8             scales [N, K / 16, 2] float32 (s, m): w = s * q + m
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+INT8G_GROUP = 16
+
+
+def int8g_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] int8, scales [N, K / 16, 2] float32 -> weight [N, K] float32, s * q + m (s * q
+    is exact for GGUF's codes, so one rounding)."""
+    n = codes.shape[0]
+    q = codes.view(n, -1, INT8G_GROUP).float()  # [N, G, 16]
+    return (q * scales[..., :1] + scales[..., 1:]).view(n, -1)
+
+
+def int8g_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32 or bf16 @ int8g_dequantize(codes, scales)^T + bias -> [M, N] in x's dtype:
+    fp32 sums rounded once; with bf16 x the weights are rounded to bf16 first (the model with its
+    dequantized weights in bf16)."""
+    weight = int8g_dequantize(codes, scales)
+    if x.dtype == torch.bfloat16:
+        weight = weight.bfloat16().float()
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+def int4f_dequantize(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """qweight [N, K / 2] uint8 (int4_linear's nibble order), scales [N, K / 32, 2] float32 (s, m) ->
+    weight [N, K] float32, s * q + m: the int4 layout with fp32 scales (Q4_K's d * sc is not an
+    fp16 value)."""
+    n = qweight.shape[0]
+    q = qweight.view(n, -1, 16)  # [N, G, 16]
+    nibbles = torch.cat([q & 15, q >> 4], dim=2).float()  # [N, G, 32]
+    return (nibbles * scales[..., :1] + scales[..., 1:]).view(n, -1)
+
+
+def int4f_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``int8g_linear``'s contract with int4f_dequantize's weights."""
+    weight = int4f_dequantize(qweight, scales)
+    if x.dtype == torch.bfloat16:
+        weight = weight.bfloat16().float()
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
