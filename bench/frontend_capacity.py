@@ -101,6 +101,7 @@ class RunResult:
     wall_s: float
     frontend_cpu_s: float
     stand_in_cpu_s: float
+    frontend_sys_s: float = 0.0  # the kernel's share of frontend_cpu_s (stime: socket writes, epoll)
     itl_ms: list = field(default_factory=list, repr=False)
 
     def row(self) -> dict:
@@ -110,6 +111,7 @@ class RunResult:
             "tokens": self.tokens, "wall_s": round(self.wall_s, 3),
             "frontend_us_per_token": round(1e6 * self.frontend_cpu_s / max(self.tokens, 1), 1),
             "frontend_us_per_request": round(1e6 * self.frontend_cpu_s / max(self.requests, 1), 1),
+            "frontend_sys_us_per_token": round(1e6 * self.frontend_sys_s / max(self.tokens, 1), 1),
             "stand_in_us_per_token": round(1e6 * self.stand_in_cpu_s / max(self.tokens, 1), 1),
             "tokens_per_s": round(self.tokens / self.wall_s, 1),
             "requests_per_s": round(self.requests / self.wall_s, 1),
@@ -124,9 +126,14 @@ def _percentile(ordered: list, q: float) -> float:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (every thread), from /proc/<pid>/stat."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a process (every thread) in seconds, from /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()  # the name may hold spaces: split after it
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14 and 15 of stat(5)
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS  # fields 14 and 15 of stat(5)
 
 
 def free_port() -> int:
@@ -239,13 +246,15 @@ async def drive(base_url: str, model: str, workload: Workload, concurrency: int,
         # Warm-up: a connection per client, and the frontend's first-request costs, outside the count.
         await asyncio.gather(*(_one_request(session, url, {**body, "max_tokens": 2}, workload.stream, [])
                                for _ in range(concurrency)))
-        frontend_before, stand_in_before = cpu_seconds(frontend_pid), cpu_seconds(stand_in_pid)
+        frontend_before, stand_in_before = cpu_split(frontend_pid), cpu_seconds(stand_in_pid)
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - start
-        frontend_cpu = cpu_seconds(frontend_pid) - frontend_before
+        frontend_after = cpu_split(frontend_pid)
         stand_in_cpu = cpu_seconds(stand_in_pid) - stand_in_before
-    return RunResult(workload.name, concurrency, num_requests, tokens, wall, frontend_cpu, stand_in_cpu, itl_ms)
+    frontend_cpu = sum(frontend_after) - sum(frontend_before)
+    return RunResult(workload.name, concurrency, num_requests, tokens, wall, frontend_cpu, stand_in_cpu,
+                     frontend_sys_s=frontend_after[1] - frontend_before[1], itl_ms=itl_ms)
 
 
 def requests_for(workload: Workload, concurrency: int, tokens_per_run: int, max_tokens: int) -> int:
@@ -405,7 +414,7 @@ def measure_parts(tokenizer_dir: str, workloads: list[Workload], concurrencies: 
     return rows
 
 
-HEADER = (f"{'rpc':<15} {'workload':<28} {'C':>4} {'reqs':>5} {'tokens':>7} {'fe µs/tok':>9} {'fe µs/req':>9} "
+HEADER = (f"{'rpc':<15} {'workload':<28} {'C':>4} {'reqs':>5} {'tokens':>7} {'fe µs/tok':>9} {'(sys)':>6} {'fe µs/req':>9} "
           f"{'si µs/tok':>9} {'tok/s':>8} {'req/s':>7} {'itl p50':>8} {'itl p99':>8}")
 
 
@@ -414,7 +423,8 @@ def format_row(row: dict) -> str:
         return f"{value:8.2f}" if value is not None else f"{'-':>8}"
 
     return (f"{row['rpc']:<15} {row['workload']:<28} {row['concurrency']:>4} {row['requests']:>5} {row['tokens']:>7} "
-            f"{row['frontend_us_per_token']:>9.1f} {row['frontend_us_per_request']:>9.0f} "
+            f"{row['frontend_us_per_token']:>9.1f} {row['frontend_sys_us_per_token']:>6.1f} "
+            f"{row['frontend_us_per_request']:>9.0f} "
             f"{row['stand_in_us_per_token']:>9.1f} {row['tokens_per_s']:>8.0f} {row['requests_per_s']:>7.1f} "
             f"{ms(row['itl_p50_ms'])} {ms(row['itl_p99_ms'])}")
 
