@@ -161,8 +161,7 @@ class AnthropicServingMessages(OpenAIServing):
         response = await self.chat.create_chat_completion(chat_request_of(request, message_id), raw_request)
         if isinstance(response, StreamingResponse):
             stream = MessageStream(message_id, self.model_name, stop_sequences, single_tool_use)
-            return StreamingResponse(stream.events(response.body_iterator), media_type=sse.MEDIA_TYPE,
-                                     headers=sse.HEADERS)
+            return sse.SSEResponse(stream.events(response.body_iterator))
         return self._json(message_of_chat(json.loads(response.body), message_id, self.model_name, stop_sequences,
                                           single_tool_use))
 

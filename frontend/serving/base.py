@@ -8,7 +8,8 @@ class, with the engine call and the shapes of its answer:
 1. One engine request per prompt (``EngineRun``; ``<id>-<i>`` for the i-th
    prompt of a completions list); its deltas become text in
    ``frontend.outputs`` (detokenization, stop strings), the one place that
-   happens. The runs' streams are merged as deltas arrive (``merge_streams``).
+   happens. The runs' streams are merged as deltas arrive (``merge_streams``); a
+   lone run's stream is iterated directly (no task and queue between it and the writer).
 2. Non-streaming: collect, answer JSON. Streaming: wait for the first delta
    (so errors the engine raises up front, bad input or a full queue, still get
    their HTTP status), then stream SSE chunks (``frontend.serving.sse``); an
@@ -30,7 +31,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerFast
 
 from backend.types.errors import InvalidRequestError, ModelNotFoundError
@@ -232,6 +233,11 @@ class OpenAIServing:
     # ---- engine -> response ----
 
     def _events(self, runs: list[EngineRun]) -> AsyncIterator[Event]:
+        """The runs' events. Iterate it only in a plain asyncio task (``unless_disconnected``'s,
+        ``sse.SSEResponse``'s), never inside an anyio cancel scope: a lone run's cleanup (aborting
+        it in the engine) runs where it is iterated and may await."""
+        if len(runs) == 1:
+            return runs[0].deltas(self.engine_client)
         return merge_streams([run.deltas(self.engine_client) for run in runs])
 
     async def _collect(self, runs: list[EngineRun]) -> None:
@@ -254,8 +260,7 @@ class OpenAIServing:
             self.context.num_in_flight -= 1
             await events.aclose()
             raise
-        return StreamingResponse(self._sse_stream(chunks(first, events), events),
-                                 media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        return sse.SSEResponse(self._sse_stream(chunks(first, events), events))
 
     async def _sse_stream(self, chunks: AsyncIterator[str], events: AsyncIterator) -> AsyncIterator[str]:
         """The chunks, an error chunk if one fails, then [DONE]. Closing it (the client went

@@ -165,8 +165,7 @@ class OpenAIServingResponses(OpenAIServing):
 
         if isinstance(chat_response, StreamingResponse):
             stream = ResponseEventStream(head, keep)
-            return StreamingResponse(stream.events(chat_response.body_iterator), media_type=sse.MEDIA_TYPE,
-                                     headers=sse.HEADERS)
+            return sse.SSEResponse(stream.events(chat_response.body_iterator))
         final = response_of_chat(json.loads(chat_response.body), head)
         await keep(final)
         return self._json(final)

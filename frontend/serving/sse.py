@@ -11,14 +11,20 @@ byte, what ``sse_event`` writes for the equivalent model (``json_text`` is
 pydantic's own encoder with the models' settings; tests/test_sse_frames.py
 compares the two). Rare chunks (usage, tool calls, prompt logprobs) still go
 through the models.
+
+``SSEResponse`` writes the events from a task of its own (see its docstring).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import pydantic_core
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 MEDIA_TYPE = "text/event-stream"
 HEADERS = {"Cache-Control": "no-cache"}  # no proxy may hold chunks back
@@ -55,3 +61,46 @@ class ChunkFrames:
 
     def frame(self, choice_json: str) -> str:
         return self._head + choice_json + self._tail
+
+
+class SSEResponse(StreamingResponse):
+    """A ``StreamingResponse`` of SSE events (the same status, headers and bytes) that iterates
+    its body in a plain asyncio task, which a client disconnect cancels once.
+
+    Starlette iterates the body inside an anyio cancel scope, which cancels every await made
+    after it fired, so the body's cleanup (aborting engine requests) could not await anything:
+    the endpoints had to run each engine stream in a task of its own and hand its deltas over
+    through a queue, a task switch per token. Here the cleanup runs in this task and may await,
+    so a stream is iterated where its events are written. The body is closed however it ends.
+    """
+
+    media_type = MEDIA_TYPE
+
+    def __init__(self, content, headers=None) -> None:
+        super().__init__(content, headers=HEADERS if headers is None else headers)
+
+    async def _produce(self, send: Send) -> None:
+        async with contextlib.aclosing(self.body_iterator) as chunks:
+            async for chunk in chunks:
+                body = chunk if isinstance(chunk, bytes) else chunk.encode()
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        producer = asyncio.ensure_future(self._produce(send))
+        listener = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((producer, listener), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listener.cancel()
+            if not producer.done():  # the client went away (or this handler was cancelled)
+                producer.cancel()
+                await asyncio.wait((producer,))  # its cleanup finishes before the response ends
+        if not producer.cancelled():
+            producer.result()  # an error while writing is the response's error
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
