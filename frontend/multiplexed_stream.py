@@ -181,10 +181,12 @@ class MultiplexedStream:
         finally:
             if timer is not None:
                 timer.cancel()
+            # The reader drops a request once its status came: the backend has ended it, even if
+            # its reader stopped at the last delta before reading that status (the usual end).
             if self._requests.get(request_id) is inbox:
                 del self._requests[request_id]
-            if not ended and self._failure is None:  # closed early or timed out: stop it on the backend
-                self.abort(request_id)
+                if not ended and self._failure is None:  # closed early or timed out: stop it on the backend
+                    self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Ask the backend to abort a request of this call (its stream ends with ABORT outputs)."""

@@ -75,6 +75,7 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
         self.num_generate_calls = 0
         self.num_generate_stream_calls = 0
         self.num_stream_messages = 0  # GenerateStreamResponses sent
+        self.num_stream_aborts = 0  # request IDs received in GenerateStreamRequest.abort_request_ids
 
     def _position(self, token: int, k: int) -> engine_pb2.PositionLogprobs:
         top = [engine_pb2.Logprob(token_id=(token + 1 + j) % self.vocab_size, logprob=-1.0 - j, rank=2 + j)
@@ -139,6 +140,7 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
                     deadline = now + item.timeout_ms / 1000 if item.HasField("timeout_ms") else None
                     running[request.request_id] = [request, 0, self._max_tokens(request), deadline]
                     self.running_ids.add(request.request_id)
+                self.num_stream_aborts += len(message.abort_request_ids)
                 self.aborted.update(running.keys() & set(message.abort_request_ids))
                 arrived.set()
 

@@ -387,6 +387,39 @@ def test_fallback_to_generate_against_a_backend_without_the_rpc(tokenizer_dir):
 
 
 @pytest.mark.timeout(60)
+def test_a_request_whose_end_came_sends_no_abort_when_its_reader_stops_at_its_last_delta(tokenizer_dir):
+    """The frontend stops reading a request at its last delta (before the status behind it): the
+    backend has ended it, so no abort goes out; one stopped before its end is aborted."""
+    async def run():
+        servicer, server, port = await _serve_stand_in(tokenizer_dir)
+        client = GrpcEngineClient(f"127.0.0.1:{port}")
+        try:
+            async def until(request_id: str, stop_after: int) -> int:
+                seen = 0
+                async for output in client.generate(request_id, [1, 2, 3], SamplingParams(max_tokens=4)):
+                    seen += 1
+                    if output.finish_reason is not None or seen == stop_after:
+                        break
+                return seen
+
+            whole = await asyncio.gather(*(until(f"whole-{i}", 0) for i in range(3)))
+            await asyncio.sleep(0.2)  # any abort would have gone out by now
+            aborts_after_whole = servicer.num_stream_aborts
+            cut = await until("cut", 2)
+            deadline = time.monotonic() + 10
+            while servicer.num_stream_aborts == aborts_after_whole and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return whole, aborts_after_whole, cut, servicer.num_stream_aborts - aborts_after_whole
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    whole, aborts_after_whole, cut, aborts_after_cut = asyncio.run(asyncio.wait_for(run(), 30))
+    assert whole == [4, 4, 4] and aborts_after_whole == 0
+    assert cut == 2 and aborts_after_cut == 1
+
+
+@pytest.mark.timeout(60)
 def test_backend_death_mid_stream_fails_every_open_request_and_a_new_call_follows_its_restart(tokenizer_dir):
     async def run():
         servicer, server, port = await _serve_stand_in(tokenizer_dir, step_ms=5)
