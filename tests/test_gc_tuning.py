@@ -1,0 +1,20 @@
+"""frontend.gc_tuning: the heap alive at start-up is frozen, and young collections are rarer."""
+
+from __future__ import annotations
+
+import gc
+
+from frontend.gc_tuning import YOUNG_THRESHOLD, freeze_startup_heap
+
+
+def test_freezing_moves_the_live_heap_out_of_collection_and_raises_the_young_threshold():
+    thresholds = gc.get_threshold()
+    try:
+        before = gc.get_freeze_count()
+        alive = [[i] for i in range(1000)]  # containers: objects the collector tracks
+        freeze_startup_heap()
+        assert gc.get_freeze_count() >= before + len(alive)
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, thresholds[1], thresholds[2])
+    finally:  # this test process goes on collecting as before
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
