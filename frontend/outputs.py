@@ -215,14 +215,16 @@ class RequestOutputBuilder:
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     num_cached_tokens: int = 0
     sequences: list[SequenceDecoder] = field(init=False)
+    _num_running: int = field(init=False, repr=False)  # sequences not finished (they finish only in add)
 
     def __post_init__(self) -> None:
         self.sequences = [SequenceDecoder(self.tokenizer, self.prompt_token_ids, self.params, index=i)
                           for i in range(self.params.n)]
+        self._num_running = len(self.sequences)
 
     @property
     def finished(self) -> bool:
-        return all(sequence.finished for sequence in self.sequences)
+        return self._num_running == 0
 
     def add(self, delta: EngineOutput) -> TextDelta:
         """Apply one delta to the sequence it belongs to."""
@@ -232,7 +234,12 @@ class RequestOutputBuilder:
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [with_decoded_tokens(self.tokenizer, p) for p in delta.prompt_logprobs]
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        return self.sequences[delta.index].update(delta)
+        sequence = self.sequences[delta.index]
+        was_running = sequence.finish_reason is None
+        text_delta = sequence.update(delta)
+        if was_running and sequence.finish_reason is not None:
+            self._num_running -= 1
+        return text_delta
 
     def build(self) -> RequestOutput:
         """The request as it stands: every sequence, ordered by index."""
