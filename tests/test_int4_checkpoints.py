@@ -56,6 +56,27 @@ def test_unpacking_inverts_the_spec_packers():
     assert np.array_equal(q.numpy(), codes.T) and np.array_equal(z.numpy(), zeros.T)
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_128_wide_groups_become_repeated_32_wide_ones_exactly(method):
+    from int4_checkpoint_writer import dequantize, quantize
+
+    from backend.models.int4_checkpoints import dequantize_layer, narrowest
+
+    weight = torch.randn(16, 256, generator=torch.Generator().manual_seed(3)) * 0.05  # [N, K]
+    codes, zeros, scales = quantize(weight, 128, False, (0, 15) if method == "awq" else (1, 16))
+    if method == "awq":
+        tensors = {"qweight": pack_awq(codes), "qzeros": pack_awq(zeros.astype(np.uint8))}
+    else:
+        tensors = {"qweight": pack_gptq_rows(codes), "qzeros": pack_gptq_zeros(zeros)}
+    tensors = {name: torch.from_numpy(value) for name, value in tensors.items()} | {"scales": scales}
+    qweight, pairs = dequantize_layer(method, "layer", tensors, 128)
+    assert torch.equal(gguf_reference.int4f_dequantize(qweight, pairs), dequantize(codes, zeros, scales))
+    assert narrowest(qweight, pairs)[0] == "int4f"  # some -s z needs more than fp16's bits
+    symmetric = torch.stack([pairs[..., 0], -8 * pairs[..., 0]], dim=2)
+    layout, _, half = narrowest(qweight, symmetric)
+    assert layout == "int4" and half.dtype == torch.float16 and torch.equal(half.float(), symmetric)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoint, tmp_path_factory):
     """case name -> (directory, the dequantized fp32 state dict); the LM head stays fp16."""
