@@ -24,9 +24,11 @@ from tandem_kernels import gguf_reference, reference
 
 pytestmark = pytest.mark.skipif(not tandem_kernels.cpu.available(), reason="needs the fused CPU kernels")
 
-# (method, group_size, sym): AWQ's 64-wide groups as two 32-wide ones; GPTQ symmetric (z = 8:
-# fp16 (d, m), the int4 layout) over whole rows, and asymmetric in 32-wide groups (int4f).
-CASES = {"awq-g64": ("awq", 64, False), "gptq-sym-rows": ("gptq", -1, True), "gptq-g32": ("gptq", 32, False)}
+# (method, group_size, sym, arch): AWQ's 64-wide groups as two 32-wide ones; GPTQ symmetric (z = 8:
+# fp16 (d, m), the int4 layout) over whole rows, and asymmetric in 32-wide groups (int4f); Qwen2's
+# q/k/v biases (plain tensors beside the packed weights) and tied LM head.
+CASES = {"awq-g64": ("awq", 64, False, "llama"), "gptq-sym-rows": ("gptq", -1, True, "llama"),
+         "gptq-g32": ("gptq", 32, False, "llama"), "awq-qwen2-g32": ("awq", 32, False, "qwen2")}
 
 
 def word(value: int) -> torch.Tensor:
@@ -84,9 +86,9 @@ def checkpoints(tiny_checkpoint, tmp_path_factory):
 
     def get(case: str):
         if case not in made:
-            method, group, sym = CASES[case]
+            method, group, sym, arch = CASES[case]
             out = tmp_path_factory.mktemp(case)
-            made[case] = out, write_int4_checkpoint(tiny_checkpoint("llama"), out, method, group, sym)
+            made[case] = out, write_int4_checkpoint(tiny_checkpoint(arch), out, method, group, sym)
         return made[case]
 
     return get
@@ -123,13 +125,15 @@ def test_packed_layers_hold_the_dequantized_weights_bit_for_bit(checkpoints, cas
     engine.shutdown()
 
 
-@pytest.mark.parametrize("case", ["awq-g64", "gptq-g32"])
+@pytest.mark.parametrize("case", ["awq-g64", "gptq-g32", "awq-qwen2-g32"])
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints, case, tmp_path):
     path, model = checkpoints(case)
     config = T.AutoConfig.from_pretrained(str(path))
     del config.quantization_config
-    hf = T.LlamaForCausalLM(config)
-    hf.load_state_dict(model)
+    hf = T.AutoModelForCausalLM.from_config(config)
+    missing, unexpected = hf.load_state_dict(model, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    hf.tie_weights()
     hf.save_pretrained(str(tmp_path), safe_serialization=True)  # fp32, tied head as the checkpoint's
     prompts = random_prompts([3, 9, 17, 30], TINY_VOCAB)
     expected = hf_greedy(tmp_path, prompts, 16)
