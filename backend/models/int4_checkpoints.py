@@ -109,25 +109,38 @@ def group_size(qc: dict) -> int:
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., C] -> uint8 [..., C, 8]: nibble i (bits 4i..4i+3) at index i."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 15).to(torch.uint8)
+    """int32 [..., C] -> uint8 [..., C, 8]: nibble i (bits 4i..4i+3) at index i. Read as bytes
+    (little endian, as the safetensors data is): byte b holds nibbles 2b (low) and 2b + 1 (high)."""
+    raw = packed.to(torch.int32).contiguous().view(torch.uint8).view(*packed.shape, 4)  # [..., C, 4]
+    return torch.stack([raw & 15, raw >> 4], dim=-1).view(*packed.shape, 8)
+
+
+def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ int32 [R, C] -> uint8 [8 C, R]: column 8c + j's codes in row 8c + j. The words are
+    transposed first (8 codes move at once), then read as bytes (little endian: nibble i is byte
+    i // 2's low or high half), so that every pass below runs along R."""
+    rows, words = packed.shape
+    raw = packed.to(torch.int32).t().contiguous().view(torch.uint8).view(words, rows, 4)  # [C, R, 4]
+    out = torch.empty(words, 8, rows, dtype=torch.uint8)
+    for j in range(8):
+        nibble = AWQ_ORDER.index(j)
+        byte = raw[..., nibble // 2]  # [C, R]
+        if nibble % 2:
+            torch.bitwise_right_shift(byte, 4, out=out[:, j])
+        else:
+            torch.bitwise_and(byte, 15, out=out[:, j])
+    return out.view(-1, rows)
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ GEMM qweight [K, N / 8], qzeros [G, N / 8] int32 -> (codes [N, K], zeros [N, G]) uint8."""
-    inverse = torch.tensor([AWQ_ORDER.index(column) for column in range(8)])  # column -> its nibble
-
-    def columns(packed: torch.Tensor) -> torch.Tensor:
-        return _nibbles(packed)[..., inverse].reshape(packed.shape[0], -1)  # [rows, N]
-
-    return columns(qweight).t().contiguous(), columns(qzeros).t().contiguous()
+    return _awq_columns(qweight), _awq_columns(qzeros)
 
 
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ qweight [K / 8, N], qzeros [G, N / 8] int32 -> (codes [N, K] uint8, zeros [N, G] uint8,
     1..16: the stored z - 1, plus 1)."""
-    codes = _nibbles(qweight).permute(1, 0, 2).reshape(qweight.shape[1], -1)  # [N, K]
+    codes = _nibbles(qweight.t()).view(qweight.shape[1], -1)  # [N, K]: input 8i + j at [n, 8i + j]
     zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1  # [G, N]
     return codes.contiguous(), zeros.t().contiguous()
 
