@@ -111,7 +111,7 @@ def group_size(qc: dict) -> int:
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """int32 [..., C] -> uint8 [..., C, 8]: nibble i (bits 4i..4i+3) at index i. Read as bytes
     (little endian, as the safetensors data is): byte b holds nibbles 2b (low) and 2b + 1 (high)."""
-    raw = packed.to(torch.int32).contiguous().view(torch.uint8).view(*packed.shape, 4)  # [..., C, 4]
+    raw = packed.to(torch.int32).contiguous().reshape(-1).view(torch.uint8).view(*packed.shape, 4)  # [..., C, 4]
     return torch.stack([raw & 15, raw >> 4], dim=-1).view(*packed.shape, 8)
 
 
@@ -120,7 +120,7 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     transposed first (8 codes move at once), then read as bytes (little endian: nibble i is byte
     i // 2's low or high half), so that every pass below runs along R."""
     rows, words = packed.shape
-    raw = packed.to(torch.int32).t().contiguous().view(torch.uint8).view(words, rows, 4)  # [C, R, 4]
+    raw = packed.to(torch.int32).t().contiguous().reshape(-1).view(torch.uint8).view(words, rows, 4)  # [C, R, 4]
     out = torch.empty(words, 8, rows, dtype=torch.uint8)
     for j in range(8):
         nibble = AWQ_ORDER.index(j)
