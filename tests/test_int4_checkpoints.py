@@ -212,3 +212,22 @@ def test_cuda_refuses_awq_naming_it(checkpoints, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(InvalidRequestError, match="quantization='awq'.*CPU only.*no GPU kernel for AWQ"):
         resolve_config(EngineConfig(model=str(path)))
+
+
+def test_a_plain_layer_beside_packed_ones_runs_its_weight(tiny_checkpoint, tmp_path):
+    # AWQ's modules_to_not_convert: the layer is stored as a plain fp16 weight
+    model = write_int4_checkpoint(tiny_checkpoint("llama"), tmp_path / "c", "awq", 32, skip=("layers.1.mlp.down_proj",))
+    engine = engine_for(tmp_path / "c", dtype="float32")
+    modules = dict(engine.executor.worker.runner.model.named_modules())
+    assert hasattr(modules["model.layers.0.mlp.down_proj"], "gguf_codes")
+    plain = modules["model.layers.1.mlp.down_proj"]
+    assert not hasattr(plain, "gguf_codes") and not hasattr(plain, "int4_weight")
+    x = torch.randn(3, plain.input_size)
+    torch.testing.assert_close(plain(x), x @ model["model.layers.1.mlp.down_proj.weight"].t())
+    engine.shutdown()
+
+
+def test_a_fused_layer_with_a_plain_part_is_refused(tiny_checkpoint, tmp_path):
+    write_int4_checkpoint(tiny_checkpoint("llama"), tmp_path / "c", "gptq", 32, skip=("layers.0.self_attn.k_proj",))
+    with pytest.raises(ValueError, match="qkv_proj is fused from parts of which only .*q_proj.*v_proj are quantized"):
+        engine_for(tmp_path / "c", dtype="float32")
