@@ -145,7 +145,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints
 
 def test_bf16_batched_equals_alone(checkpoints):
     path, _ = checkpoints("awq-g64")
-    engine = engine_for(path)  # bf16 activations by default where the CPU has them
+    engine = engine_for(path, dtype="bfloat16")  # the default where the CPU has native bf16
     prompts = random_prompts([4, 11, 23], TINY_VOCAB, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     batched = run_engine(engine, prompts, params)
