@@ -204,6 +204,8 @@ def test_a_mismatching_quantization_is_refused(checkpoints, tiny_checkpoint):
         resolve_config(EngineConfig(model=str(path), quantization="gptq"))
     with pytest.raises(InvalidRequestError, match="no quantization_config"):
         resolve_config(EngineConfig(model=str(tiny_checkpoint("llama")), quantization="awq"))
+    with pytest.raises(InvalidRequestError, match="quantization='awq' runs on one worker"):
+        resolve_config(EngineConfig(model=str(path), tensor_parallel_size=2))
 
 
 def test_cuda_refuses_awq_naming_it(checkpoints, monkeypatch):
