@@ -19,6 +19,7 @@ from backend.messages.late_grammar import resolve_grammar
 from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
 from backend.models.attention import Attention
 from backend.models.gguf_packed import attach_packed_weights
+from backend.models.int4_checkpoints import METHODS as CHECKPOINT_METHODS, attach_checkpoint_packs
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
@@ -78,7 +79,10 @@ class ModelRunner:
                 model = model_cls(self.config.hf_config, max_model_len=self.config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        model.load_weights(iter_weights(self.config.model_path))
+        weights = iter_weights(self.config.model_path)
+        if self.config.quantization in CHECKPOINT_METHODS:  # AWQ / GPTQ layers packed, the rest loaded
+            weights = attach_checkpoint_packs(model, weights, self.config.quantization, self.config.hf_config)
+        model.load_weights(weights)
         if self.config.quantization == "gguf":  # the file's Q4 tensors, packed, beside the dequantized ones
             attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config,
                                   self.config.model_path)
