@@ -253,6 +253,11 @@ def chat(stack: Stack, content: str) -> str:
     return text
 
 
+def ready_lines(logs: str) -> list[str]:
+    """The ``[start-up] ready: ...`` lines of a container's log (one per start), without the prefix."""
+    return [line.split("[start-up] ", 1)[1] for line in logs.splitlines() if "[start-up] ready:" in line]
+
+
 def default_model_scenario(stack: Stack) -> None:
     """The README's stack (default model, engine defaults), then its backend's engine killed."""
     log("up as the README types it: no model named, engine defaults, 1 backend, 1 frontend")
@@ -275,7 +280,8 @@ def default_model_scenario(stack: Stack) -> None:
     for said in ("Fetching the default model", "Converting"):
         assert said not in logs, f"the backend said {said!r}: {logs[-3000:]}"
     model_line = next(line for line in logs.splitlines() if "[start-up] model:" in line)
-    log(f"the backend used the image's default model, nothing fetched or converted: {model_line.strip()}")
+    log(f"the backend used the image's default model, nothing fetched or converted: {model_line.strip()}; "
+        f"{ready_lines(logs)}")
     log(f"chat through the load balancer: {chat(stack, 'What is the capital of France?')!r}")
 
     # kill -9 of the engine inside the container: the container exits, compose restarts it.
@@ -291,8 +297,8 @@ def default_model_scenario(stack: Stack) -> None:
     wait_until(f"{backend} to restart and every service to be healthy again", RESTART_TIMEOUT_S,
                restarted_and_healthy)
     log(f"{backend} restarted by compose (restart count {restarts} -> "
-        f"{stack.inspect(backend, '{{.RestartCount}}')}, last exit code "
-        f"{stack.inspect(backend, '{{.State.ExitCode}}')}), healthy {time.monotonic() - killed_at:.0f} s after the kill")
+        f"{stack.inspect(backend, '{{.RestartCount}}')}), every service healthy {time.monotonic() - killed_at:.0f} s "
+        f"after the kill; the backend's starts: {ready_lines(stack.logs(backend))}")
     log(f"chat through the load balancer after the restart: {chat(stack, 'Name a colour.')!r}")
 
 
