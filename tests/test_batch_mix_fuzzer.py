@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from backend.engine.llm_engine import LLMEngine
 from backend.types.config import EngineConfig
 
-FUZZ_BATCHES_CI = 375
+FUZZ_BATCHES_CI = 400
 # name -> its share of FUZZ_BATCHES_CI
 CI_SHARE = {"fp32-eager-ngram-tight": 80, "fp32-graphs": 40, "fp32-graphs-async-tight": 40,
             "bf16-graphs-ngram": 40, "bf16-eager-no-prefix-cache": 40, "fp16-eager-fp8-kv": 40,
-            "bf16-w8a8-graphs-ngram": 30, "bf16-int4-graphs": 40, "bf16-gguf-q4km": 25}
+            "bf16-w8a8-graphs-ngram": 30, "bf16-int4-graphs": 40, "bf16-gguf-q4km": 25,
+            "bf16-awq-g32": 25}
 MAX_MODEL_LEN = 64
 EOS = 2  # the tiny tokenizer's <|im_end|>: a random model samples it now and then
 
@@ -64,8 +65,12 @@ ENGINES = {
     # A Q4_K_M-like GGUF file (Q4_K, Q6_K) served packed: batch-invariant kernels, like int4's.
     "bf16-gguf-q4km": (dict(dtype="bfloat16", quantization="gguf", enforce_eager=True, num_kv_blocks=48,
                             max_num_seqs=8, max_num_batched_tokens=32), True),
+    # The checkpoint's linears as AWQ 4-bit (32-wide groups, zero points): repacked for the int4f kernel.
+    "bf16-awq-g32": (dict(dtype="bfloat16", enforce_eager=True, num_kv_blocks=48, max_num_seqs=8,
+                          max_num_batched_tokens=32), True),
 }
 GGUF_ENGINES = {"bf16-gguf-q4km"}  # run the tiny GGUF file (fuzz_gguf) instead of the checkpoint
+AWQ_ENGINES = {"bf16-awq-g32"}  # run fuzz_awq, the checkpoint quantized (quantization from its config.json)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +97,25 @@ def fuzz_gguf(tmp_path_factory):
         return "Q6_K" if name.split(".")[-2] in ("attn_v", "ffn_down", "output") else "Q4_K"
 
     return write_mixed_gguf(tmp_path_factory.mktemp("fuzz-gguf") / "tiny-q4km.gguf", q4km)
+
+
+@pytest.fixture(scope="module")
+def fuzz_awq(fuzz_checkpoint, tmp_path_factory):
+    """fuzz_checkpoint with its linears quantized to AWQ (GEMM, 4 bits, 32-wide groups)."""
+    from int4_checkpoint_writer import write_int4_checkpoint
+
+    out = tmp_path_factory.mktemp("fuzz-awq")
+    write_int4_checkpoint(fuzz_checkpoint, out, "awq", 32)
+    return out
+
+
+def checkpoint_for(request, name: str, fuzz_checkpoint):
+    """The model engine ``name`` runs: the tiny GGUF file, the AWQ checkpoint or the plain one."""
+    if name in GGUF_ENGINES:
+        return request.getfixturevalue("fuzz_gguf")
+    if name in AWQ_ENGINES:
+        return request.getfixturevalue("fuzz_awq")
+    return fuzz_checkpoint
 
 
 def fuzz_engine(checkpoint, name: str) -> LLMEngine:
@@ -129,8 +153,7 @@ def test_the_ci_shares_cover_every_engine_and_add_up():
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(ENGINES))
 def test_batch_mix_fuzzer(request, fuzz_checkpoint, name):
-    checkpoint = request.getfixturevalue("fuzz_gguf") if name in GGUF_ENGINES else fuzz_checkpoint
-    engine = fuzz_engine(checkpoint, name)
+    engine = fuzz_engine(checkpoint_for(request, name, fuzz_checkpoint), name)
     try:
         stats = fuzz(engine, ENGINES[name][1], CI_SHARE[name], derandomize=True)
     finally:
@@ -142,10 +165,10 @@ def test_batch_mix_fuzzer(request, fuzz_checkpoint, name):
 @pytest.mark.fuzz
 @pytest.mark.timeout(6 * 3600)
 @pytest.mark.parametrize("name", sorted(ENGINES))
-def test_batch_mix_fuzzer_long(fuzz_checkpoint, name):
+def test_batch_mix_fuzzer_long(request, fuzz_checkpoint, name):
     """The long, random run: TANDEM_FUZZ_BATCHES batches in all (default 3,000)."""
     batches = int(os.environ.get("TANDEM_FUZZ_BATCHES", "3000")) // len(ENGINES)
-    engine = fuzz_engine(fuzz_checkpoint, name)
+    engine = fuzz_engine(checkpoint_for(request, name, fuzz_checkpoint), name)
     try:
         stats = fuzz(engine, ENGINES[name][1], batches, derandomize=False)
     finally:

@@ -99,6 +99,10 @@ def test_dead_services_are_restarted_and_the_one_shot_is_not(name):
     for service in ("backend", "frontend", "lb"):
         assert services[service]["restart"] == "unless-stopped", service
     assert services["grpc-token"]["restart"] == "no"
+    # Docker's init is PID 1, so the engine is an ordinary process: when it dies (kill -9 included,
+    # which PID 1 cannot receive from inside), the container exits and the policy above applies.
+    for service in ("backend", "frontend"):
+        assert services[service]["init"] is True, service
 
 
 @pytest.mark.parametrize("name", COMPOSE_FILES)

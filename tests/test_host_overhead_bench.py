@@ -34,12 +34,15 @@ def test_smallest_matrix_reports_every_row_with_real_times(tmp_path):
         assert math.isfinite(point["host_ms"]) and point["host_ms"] > 0, key
         assert set(point["steps_ms"]) == {"0", "0.5"}, key
         assert all(len(steps) == STEPS for steps in point["steps_ms"].values()), key
-        if point["scheduling"] == "async":  # steps overlap: a step's period is all there is to check
-            assert point["period_ms"]["0.5"] >= DEVICE_MS * 0.9, key
+        if point["scheduling"] == "async":
+            # Steps overlap, so one step may return in less than D, but each returns only once the
+            # device ran its step: N steps in a row span at least N - 1 device steps.
+            assert sum(point["steps_ms"]["0.5"]) >= (STEPS - 1) * DEVICE_MS, key
             continue
         # The host waited for the device in every timed step (less than D: the host's own work
-        # between the launch and the read overlaps it), and the step lasted at least D.
-        assert 0 < point["device_ms_elapsed"]["0.5"] <= DEVICE_MS + 1.0, key
+        # between the launch and the read overlaps it), and the step lasted at least D. (No upper
+        # bound: on a loaded machine a sleep overruns by any amount.)
+        assert point["device_ms_elapsed"]["0.5"] > 0, key
         assert min(point["steps_ms"]["0.5"]) >= DEVICE_MS, key
         assert point["period_ms"]["0.5"] >= DEVICE_MS, key
         # At D = 0 the simulated device only hands back its buffers: the step is nearly all host.

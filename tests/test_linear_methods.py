@@ -169,7 +169,7 @@ def test_method_choice():
 
 def test_bad_quantization_settings_are_refused():
     with pytest.raises(InvalidRequestError, match="quantization must be one of int8") as info:
-        EngineConfig(quantization="awq")
+        EngineConfig(quantization="bitsandbytes")
     assert info.value.param == "quantization"
 
 

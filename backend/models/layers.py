@@ -139,7 +139,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         loaded.add((name, shard))
     missing = []
     for name in params:
-        shard_ids = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "shard_ids", None)
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if name.endswith(".weight") and getattr(module, "weight_is_packed", False):
+            continue  # held in a packed form instead (backend/models/int4_checkpoints.py)
+        shard_ids = getattr(module, "shard_ids", None)
         if shard_ids and (name, None) not in loaded:
             missing += [f"{name}#{i}" for i in shard_ids if (name, i) not in loaded]
         elif not shard_ids and (name, None) not in loaded:

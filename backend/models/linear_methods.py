@@ -37,7 +37,10 @@
                               scales, Q5_K / Q6_K / Q8_0 (and mixed) layers in a grouped int8
                               layout (csrc/gguf_linear.cpp)
                               (backend/models/gguf_packed.py); every other layer runs its
-                              dequantized weight with the dtype's method
+                              dequantized weight with the dtype's method; also
+                              ``quantization="awq"`` / ``"gptq"``: a checkpoint's AWQ / GPTQ 4-bit
+                              layers repacked exactly into the int4 / int4f forms
+                              (backend/models/int4_checkpoints.py)
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
 own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
@@ -234,8 +237,10 @@ def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Op
     if quantization is not None:
         if device.type != "cpu" or not tandem_kernels.cpu.available():
             raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only")
-        if quantization == "gguf":
-            return GgufLinearMethod(linear_method_for(device, dtype, None))
+        if quantization in ("gguf", "awq", "gptq"):  # packed by gguf_packed.py / int4_checkpoints.py
+            method = GgufLinearMethod(linear_method_for(device, dtype, None))
+            method.name = quantization
+            return method
         return QUANTIZED_METHODS[quantization]()
     if device.type == "cpu" and dtype == torch.bfloat16 and tandem_kernels.cpu.amx_available():
         return AmxLinearMethod()

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from backend.models.gguf_packed import MODEL_TYPES
+from backend.models.int4_checkpoints import METHODS as CHECKPOINT_METHODS, QuantizationConfigError, checkpoint_method
 from backend.models.loader import PlainModelConfig, load_hf_config, resolve_model, resolve_tokenizer
 from backend.models.registry import parallel_size_problem
 from backend.types.config import EngineConfig, cpu_has_native_bf16
@@ -25,6 +26,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if config.served_model_name is None:
         config.served_model_name = config.model or "SmolLM2-135M-Instruct"
     config.hf_config = load_hf_config(config.model_path)
+    _resolve_checkpoint_quantization(config)
     _resolve_device_and_dtype(config)
     _check_gguf_quantization(config)
     _resolve_max_model_len(config)
@@ -57,6 +59,11 @@ def _resolve_device_and_dtype(config: EngineConfig) -> None:
         config.torch_dtype_name = "bfloat16"
     else:
         config.torch_dtype_name = "float32"
+    if config.quantization in CHECKPOINT_METHODS and config.device_type != "cpu":
+        raise InvalidRequestError(
+            f"quantization={config.quantization!r} (the checkpoint's {config.quantization.upper()} 4-bit weights) "
+            f"runs on the CPU only: Tandem has no GPU kernel for {config.quantization.upper()}'s layout yet; "
+            "pass device='cpu'.", param="quantization")
     if config.quantization is not None and (config.device_type != "cpu" or
                                             config.torch_dtype_name not in ("float32", "bfloat16")):
         raise InvalidRequestError(
@@ -67,6 +74,31 @@ def _resolve_device_and_dtype(config: EngineConfig) -> None:
         raise InvalidRequestError(
             f"kv_cache_dtype={config.kv_cache_dtype!r} is implemented for the CPU; the GPU's "
             "attention kernels read caches in the model's dtype only.", param="kv_cache_dtype")
+
+
+def _resolve_checkpoint_quantization(config: EngineConfig) -> None:
+    """An AWQ / GPTQ checkpoint (its config.json's quantization_config) sets ``quantization`` to its
+    method; another value asked for it, awq / gptq asked for a checkpoint without it, an option the
+    CPU kernels do not serve, or more than one worker is refused, naming it."""
+    try:
+        method = checkpoint_method(config.hf_config)
+    except QuantizationConfigError as error:
+        raise InvalidRequestError(f"{config.model}: {error}.", param="quantization") from None
+    if method is None:
+        if config.quantization in CHECKPOINT_METHODS:
+            raise InvalidRequestError(
+                f"quantization={config.quantization!r} serves checkpoints quantized with it; {config.model!r} "
+                "has no quantization_config in its config.json.", param="quantization")
+        return
+    if config.quantization not in (None, method):
+        raise InvalidRequestError(
+            f"{config.model!r} holds {method.upper()} 4-bit weights (its config.json's quantization_config); "
+            f"quantization={config.quantization!r} does not apply to it: leave quantization unset or pass "
+            f"{method!r}.", param="quantization")
+    config.quantization = method
+    if config.world_size != 1:
+        raise InvalidRequestError(f"quantization={method!r} runs on one worker (tensor_parallel_size=1, "
+                                  "pipeline_parallel_size=1).", param="quantization")
 
 
 def _check_gguf_quantization(config: EngineConfig) -> None:

@@ -24,7 +24,7 @@ from backend.types.errors import InvalidRequestError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray", "external_launcher")
-QUANTIZATIONS = ("int8", "w8a8", "int4", "gguf")  # int8 / int4 weights on the CPU (backend/models/linear_methods.py)
+QUANTIZATIONS = ("int8", "w8a8", "int4", "gguf", "awq", "gptq")  # int8 / int4 weights on the CPU (backend/models/linear_methods.py)
 # The KV cache's element type: auto = the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn, as vLLM's).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 MAX_GRAMMAR_COMPILE_WORKERS = 64  # each a process holding xgrammar (and torch)
@@ -76,7 +76,8 @@ FIELD_HELP = {
                     "AVX-512 VNNI faster than bf16 at every batch size), int4 (weight-only, 4 bits per "
                     "32-wide group with an fp16 scale and min, quantized at load) or gguf (model= a Llama "
                     ".gguf file: its Q4_0/Q4_1 weights served packed by the int4 kernel, the rest "
-                    "dequantized) (default: the checkpoint's precision)",
+                    "dequantized), awq or gptq (a checkpoint's 4-bit AWQ/GPTQ weights served packed; "
+                    "set from its config.json) (default: the checkpoint's precision)",
     "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
                       "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
                       "in the same memory, half the bytes attention reads); approximate; CPU only",
@@ -202,8 +203,8 @@ class EngineConfig:
     # None: chosen as vLLM does (see executor_backend).
     distributed_executor_backend: Optional[str] = None
     download_dir: Optional[str] = None  # where fetched and converted models live
-    # Weight quantization: None (the checkpoint's precision), "int8" (weight-only), "w8a8", "int4" or "gguf"
-    # (CPU; activations in float32 or bfloat16).
+    # Weight quantization: None (the checkpoint's precision, or its AWQ/GPTQ method), "int8" (weight-only),
+    # "w8a8", "int4", "gguf", "awq" or "gptq" (CPU; activations in float32 or bfloat16).
     quantization: Optional[str] = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}

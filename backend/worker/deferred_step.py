@@ -24,10 +24,11 @@ GREEDY, DRAWN = "greedy", "drawn"
 
 def deferral(sched: SchedulerOutput) -> Optional[str]:
     """Whether the step can be deferred: every sequence decodes one token, greedy or drawn
-    (temperature, top-k, min-p, seeds), and nothing needs it on the host before the next step:
-    no logprobs, penalties, logit_bias, min_tokens, grammar, drafts or pooling, and no top-p
-    (its wide-nucleus fallback reads the device). GREEDY: every token is its logits' argmax;
-    DRAWN: some are drawn; None: not deferrable."""
+    (temperature, top-k, min-p, seeds), with or without penalties, logit_bias and min_tokens
+    (their tables and parameters are on the device: the runner counts the step's tokens there),
+    and nothing needs it on the host before the next step: no logprobs, grammar, drafts or
+    pooling, and no top-p (its wide-nucleus fallback reads the device). GREEDY: every token is
+    its logits' argmax; DRAWN: some need sampling rows; None: not deferrable."""
     if not sched.scheduled or sched.grammar is not None:
         return None
     kind = GREEDY
@@ -38,17 +39,20 @@ def deferral(sched: SchedulerOutput) -> Optional[str]:
         if params.prompt_logprobs is not None or params.pooling is not None:
             return None
         if not params.argmax_only:
-            if (params.greedy or params.wants_logprobs or params.has_penalties or params.logit_bias
-                    or params.min_tokens or params.top_p < 1.0):
+            if params.wants_logprobs or params.top_p < 1.0:
                 return None
             kind = DRAWN
     return kind
 
 
 class DeferredStep:
-    def __init__(self, out: ModelRunnerOutput, request_ids: list[str], tokens: torch.Tensor) -> None:
-        """tokens: [len(request_ids)] int64, each sequence's sampled token, on the device."""
+    def __init__(self, out: ModelRunnerOutput, request_ids: list[str], tokens: torch.Tensor,
+                 penalties_counted: bool = False) -> None:
+        """tokens: [len(request_ids)] int64, each sequence's sampled token, on the device.
+        penalties_counted: the penalized sequences' tokens are counted in the runner's penalty
+        history already (on the device), not to be counted again when read."""
         self.out = out
+        self.penalties_counted = penalties_counted
         self.rows = {request_id: row for row, request_id in enumerate(request_ids)}
         self.tokens = tokens
         if tokens.is_cuda:

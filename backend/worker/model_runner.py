@@ -19,6 +19,7 @@ from backend.messages.late_grammar import resolve_grammar
 from backend.messages.scheduler_output import ScheduledRequest, SchedulerOutput
 from backend.models.attention import Attention
 from backend.models.gguf_packed import attach_packed_weights
+from backend.models.int4_checkpoints import METHODS as CHECKPOINT_METHODS, attach_checkpoint_packs
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
@@ -78,7 +79,10 @@ class ModelRunner:
                 model = model_cls(self.config.hf_config, max_model_len=self.config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        model.load_weights(iter_weights(self.config.model_path))
+        weights = iter_weights(self.config.model_path)
+        if self.config.quantization in CHECKPOINT_METHODS:  # AWQ / GPTQ layers packed, the rest loaded
+            weights = attach_checkpoint_packs(model, weights, self.config.quantization, self.config.hf_config)
+        model.load_weights(weights)
         if self.config.quantization == "gguf":  # the file's Q4 tensors, packed, beside the dequantized ones
             attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config,
                                   self.config.model_path)
@@ -234,7 +238,7 @@ class ModelRunner:
         out = step.read()
         if self.pending is step:
             self.pending = None
-        self._record_sampled(out)
+        self._record_sampled(out, count_penalties=not step.penalties_counted)
         return out
 
     @torch.inference_mode()
@@ -273,12 +277,17 @@ class ModelRunner:
                 out.failed[s.request_id] = _request_failure(error, "prompt logprobs")
 
         if defer:  # deferral: one row per sequence, the logits' rows in order, nothing read back
+            slots: dict[str, int] = {}
             if greedy:
                 tokens = kernels.argmax_rows(logits)
             else:
-                tokens = self.sampler.sample_on_device(logits, [self._sampling_row(s, 0, {})
-                                                                for s, _, _ in inputs.sample_rows])
-            self.pending = DeferredStep(out, [s.request_id for s, _, _ in inputs.sample_rows], tokens)
+                slots = self._penalty_slots([s for s, _, _ in inputs.sample_rows], logits.shape[1])
+                tokens = self.sampler.sample_on_device(logits, self._sampling_rows(inputs.sample_rows, slots),
+                                                       self.penalty_history)
+                if slots:  # counted on the device, before the next step's penalties read them
+                    self._count_on_device([s.request_id for s, _, _ in inputs.sample_rows], slots, tokens)
+            self.pending = DeferredStep(out, [s.request_id for s, _, _ in inputs.sample_rows], tokens,
+                                        penalties_counted=bool(slots))
             return self.pending
         if inputs.sample_rows:
             index = [i for _, i, _ in inputs.sample_rows]
@@ -288,13 +297,22 @@ class ModelRunner:
             self._record_sampled(out)
         return out
 
-    def _record_sampled(self, out: ModelRunnerOutput) -> None:
-        """Keep each sequence's last token (for placeholders) and count penalized ones' tokens."""
+    def _count_on_device(self, request_ids: list[str], slots: dict[str, int], tokens: torch.Tensor) -> None:
+        """Count a deferred step's tokens [len(request_ids)] (on the device) in the penalized
+        sequences' history slots."""
+        rows = [row for row, request_id in enumerate(request_ids) if request_id in slots]
+        index, row_index = self.upload([([slots[request_ids[row]] for row in rows], torch.int64),
+                                        (rows, torch.int64)])
+        self.penalty_history.count(index, tokens.index_select(0, row_index))
+
+    def _record_sampled(self, out: ModelRunnerOutput, count_penalties: bool = True) -> None:
+        """Keep each sequence's last token (for placeholders) and count penalized ones' tokens
+        (unless counted on the device already)."""
         history = self.penalty_history
         last_sampled = self.last_sampled
         for request_id, tokens in out.sampled_token_ids.items():
             last_sampled[request_id] = tokens[-1]
-        if history is not None:
+        if history is not None and count_penalties:
             for request_id, tokens in out.sampled_token_ids.items():
                 history.record(request_id, tokens)
         for request_id in out.failed:

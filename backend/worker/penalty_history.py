@@ -68,6 +68,13 @@ class PenaltyHistory:
             self._pending_slots.extend([slot] * len(tokens))
             self._pending_tokens.extend(tokens)
 
+    def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count tokens [n] (int64, on the device) in slots [n] now, with no host round trip: a
+        deferred step's tokens, which the next step's penalties must see before they reach the
+        host. The runner does not ``record`` them again."""
+        self._flush()
+        self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
     def _flush(self) -> None:
         if self._pending_tokens:
             index = (torch.tensor(self._pending_slots, device=self.device),

@@ -111,7 +111,7 @@ class Sampler:
         grammar mask: ``__call__`` adds those). logits: [num_rows, vocab], not modified."""
         num_rows = len(rows)
         device = logits.device
-        upload = self.upload or (lambda arrays: [torch.tensor(v, dtype=d, device=device) for v, d in arrays])
+        upload = self.upload or _direct_upload(device)
         min_tokens_rows: list[int] = []
         penalty_rows: list[int] = []
         bias_rows: list[int] = []
@@ -131,12 +131,14 @@ class Sampler:
             return kernels.argmax_rows(logits)
 
         work = logits.to(torch.float32, copy=True)  # [num_rows, vocab]; the caller's logits stay intact
+        # Each transform's parameters go up through ``upload`` (on CUDA one non-blocking copy
+        # that never waits for the device), so a deferred step never waits for the one before.
         if min_tokens_rows:
-            _mask_stop_tokens(work, rows, min_tokens_rows)
+            _mask_stop_tokens(work, rows, min_tokens_rows, upload)
         if bias_rows:
-            _add_logit_bias(work, rows, bias_rows)
+            _add_logit_bias(work, rows, bias_rows, upload)
         if penalty_rows:
-            _apply_penalties(work, rows, penalty_rows, penalty_history)
+            _apply_penalties(work, rows, penalty_rows, penalty_history, upload)
 
         if len(random_rows) == num_rows:
             return _sample_random(work, rows, upload)  # [num_rows]; filters our own copy in place
@@ -145,6 +147,11 @@ class Sampler:
             index, = upload([(random_rows, torch.int64)])
             token_ids[index] = _sample_random(work[index], [rows[i] for i in random_rows], upload)
         return token_ids
+
+
+def _direct_upload(device: torch.device) -> Callable:
+    """An ``upload`` without staging: each array copied to ``device`` on its own."""
+    return lambda arrays: [torch.tensor(values, dtype=dtype, device=device) for values, dtype in arrays]
 
 
 def compute_prompt_logprobs(
@@ -168,7 +175,8 @@ def compute_prompt_logprobs(
     return _position_logprobs(logprobs, targets, [num_top] * len(target_token_ids))
 
 
-def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int]) -> None:
+def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
+                      upload: Callable) -> None:
     """min_tokens: rows still short of it cannot pick EOS or a stop token (in place).
 
     Like vLLM, EOS is masked even with ignore_eos. IDs outside the vocabulary
@@ -187,11 +195,11 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_indices
                 mask_rows.append(i)
                 mask_tokens.append(token_id)
     if mask_rows:
-        device = logits.device
-        logits[torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device)] = _NEG_INF
+        logits[tuple(upload([(mask_rows, torch.int64), (mask_tokens, torch.int64)]))] = _NEG_INF
 
 
-def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int]) -> None:
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
+                    upload: Callable) -> None:
     """Add each row's logit_bias to its logits (in place): one scatter for the batch."""
     index_rows: list[int] = []
     tokens: list[int] = []
@@ -201,36 +209,38 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_indices: 
         index_rows.extend([i] * len(row_tokens))
         tokens.extend(row_tokens)
         values.extend(row_values)
-    device = logits.device
-    logits.index_put_((torch.tensor(index_rows, device=device), torch.tensor(tokens, device=device)),
-                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    index_t, tokens_t, values_t = upload([(index_rows, torch.int64), (tokens, torch.int64), (values, logits.dtype)])
+    logits.index_put_((index_t, tokens_t), values_t, accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
-                     history: Optional[PenaltyHistory] = None) -> None:
+                     history: Optional[PenaltyHistory] = None, upload: Optional[Callable] = None) -> None:
     """Repetition (prompt + output), frequency and presence (output) penalties, in place.
 
     With ``history`` (and every row's ``penalty_slot``) the counts come from it: O(rows x vocab)
     tensor work, one fused pass per row (``kernels.apply_penalties``) unless a row counts drafts;
     otherwise from the token lists, O(tokens) Python work (the reference)."""
     device = logits.device
-    index = torch.tensor(row_indices, device=device)
     if history is not None and all(rows[i].penalty_slot is not None for i in row_indices):
         penalized = [rows[i] for i in row_indices]
         if not any(row.extra_history for row in penalized):  # no draft rows: one pass per row
-            kernels.apply_penalties(
-                logits, index, history.prompt_seen, history.output_counts,
-                torch.tensor([row.penalty_slot for row in penalized], dtype=torch.int64, device=device),
-                *(torch.tensor(values, dtype=torch.float32, device=device) for values in zip(*(
-                    (row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty)
-                    for row in penalized))))
+            f32 = torch.float32
+            index, slots, repetition, frequency, presence = (upload or _direct_upload(device))([
+                (row_indices, torch.int64), ([row.penalty_slot for row in penalized], torch.int64),
+                ([row.params.repetition_penalty for row in penalized], f32),
+                ([row.params.frequency_penalty for row in penalized], f32),
+                ([row.params.presence_penalty for row in penalized], f32)])
+            kernels.apply_penalties(logits, index, history.prompt_seen, history.output_counts, slots,
+                                    repetition, frequency, presence)
             return
+        index = torch.tensor(row_indices, device=device)
         sub = logits[index]  # [num_penalty_rows, vocab]
         need_seen = any(rows[i].params.repetition_penalty != 1.0 for i in row_indices)
         seen, counts = history.gather([rows[i].penalty_slot for i in row_indices],
                                       [rows[i].extra_history for i in row_indices], need_seen)
         logits[index] = _penalized(sub, rows, row_indices, seen, counts)
         return
+    index = torch.tensor(row_indices, device=device)
     sub = logits[index]  # [num_penalty_rows, vocab]
     num_rows, vocab_size = len(row_indices), logits.shape[1]
 

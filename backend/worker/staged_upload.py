@@ -3,10 +3,11 @@
 A copy from pageable host memory returns only once the device has run it, so a step's input
 upload would wait behind every kernel queued before it (the step in flight, under async
 scheduling). Here the arrays of a step are packed into a pinned buffer and sent in one
-non-blocking copy; each array comes back as a view of the one device buffer. A few pinned
-buffers are used in turn (a step uploads its inputs, then its sampling parameters), and one is
-refilled only after the copy out of it has run: with steps two deep in flight that copy ran
-long before, so the check never waits in practice.
+non-blocking copy; each array comes back as a view of the one device buffer. Pinned buffers
+are used in turn (a step uploads its inputs, then up to five sets of sampling parameters:
+min_tokens, logit_bias, penalties, the random rows and their parameters), and one is refilled
+only after the copy out of it has run: the ring holds more than two steps' uploads, so with
+steps two deep in flight that copy ran long before and the check never waits in practice.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 Array = Union[Sequence[int], Sequence[float], np.ndarray]
 _ALIGN = 8  # bytes: every array starts aligned for any dtype used here
-_RING = 4  # pinned buffers used in turn
+_RING = 16  # pinned buffers used in turn (a deferrable step uploads at most 6 times)
 
 
 class StagedUpload:

@@ -7,8 +7,15 @@ a completion and a streamed chat through the load balancer succeed; both fronten
 backends served requests (their own /metrics, read inside each container); a long-prefix prompt
 sent 10 times lands on one backend, with prefix-cache hits there, while distinct prompts spread;
 stopping a frontend loses no later request; stopping a backend, requests succeed on the other
-within 10 s; `down` leaves nothing. Every wait is bounded; `down` runs whatever happens.
-Only 127.0.0.1 (the published port) and `docker exec` are used: no container address is dialled.
+within 10 s; `down` leaves nothing.
+
+Then, after `down -v`, the stack as the README starts it (no model named, engine defaults, 1 backend,
+1 frontend): the backend serves the default model converted into its image (its log says nothing was
+fetched or converted, with a fresh cache volume) and answers a chat through the load balancer; its
+engine process is killed (`kill -9` inside the container), compose restarts the container (its
+restart count goes up), and the chat through the load balancer succeeds again, with no operator
+action. Every wait is bounded; `down` runs whatever happens. Only 127.0.0.1 (the published port)
+and `docker exec` are used: no container address is dialled.
 """
 
 from __future__ import annotations
@@ -29,6 +36,27 @@ UP_TIMEOUT_S = 900  # compose waits for the backends' health before starting the
 HEALTHY_TIMEOUT_S = 300
 BACKEND_FAILOVER_S = 10
 SCALE = 2
+RESTART_TIMEOUT_S = 300  # the killed backend: restarted, the model loaded again, healthy
+PREBUILT_MODEL_DIR = "/opt/tandem/models/SmolLM2-135M-Instruct"  # the Dockerfile's conversion
+# The backend's engine process, found and killed from inside its container: under Docker's init
+# (compose's `init: true`) it is PID 1's child. PID 1 itself cannot be sent SIGKILL from inside.
+KILL_ENGINE = """
+import os, signal
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\\0")
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:  # gone meanwhile (a health check, this scan's own children)
+        continue
+    if ppid == 1 and b"backend" in argv and any(a.endswith(b"tandem") for a in argv):
+        print(pid, b" ".join(argv).decode())
+        os.kill(int(pid), signal.SIGKILL)
+        break
+else:
+    raise SystemExit("no engine process (tandem backend, a child of PID 1) found")
+"""
 
 
 def log(message: str) -> None:
@@ -41,8 +69,17 @@ class Stack:
         self.project = project
         self.base_url = f"http://127.0.0.1:{port}"
 
-    def run_compose(self, *args: str, timeout: float) -> None:
-        subprocess.run([*self.compose, *args], check=True, timeout=timeout)
+    def run_compose(self, *args: str, timeout: float, env: dict[str, str] | None = None) -> None:
+        subprocess.run([*self.compose, *args], check=True, timeout=timeout,
+                       env=None if env is None else {**os.environ, **env})
+
+    def inspect(self, container: str, template: str) -> str:
+        return subprocess.run(["docker", "inspect", "-f", template, container], check=True, capture_output=True,
+                              text=True, timeout=60).stdout.strip()
+
+    def logs(self, container: str) -> str:
+        result = subprocess.run(["docker", "logs", container], capture_output=True, text=True, timeout=60)
+        return result.stdout + result.stderr
 
     def containers(self, service: str, running_only: bool = True) -> list[str]:
         """Container names of ``service``, in replica order."""
@@ -207,6 +244,64 @@ def scenario(stack: Stack) -> None:
     assert total(stack.metrics(remaining[0], 8001), "tandem:request_success_total") > per_backend[remaining[0]]
 
 
+def chat(stack: Stack, content: str) -> str:
+    """A chat completion through the load balancer; its answer's text (asserted not empty)."""
+    answer = json.loads(post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
+                                                             "max_tokens": 12, "temperature": 0}, timeout=120))
+    text = answer["choices"][0]["message"]["content"]
+    assert text.strip() and answer["usage"]["completion_tokens"] > 0, answer
+    return text
+
+
+def ready_lines(logs: str) -> list[str]:
+    """The ``[start-up] ready: ...`` lines of a container's log (one per start), without the prefix."""
+    return [line.split("[start-up] ", 1)[1] for line in logs.splitlines() if "[start-up] ready:" in line]
+
+
+def default_model_scenario(stack: Stack) -> None:
+    """The README's stack (default model, engine defaults), then its backend's engine killed."""
+    log("up as the README types it: no model named, engine defaults, 1 backend, 1 frontend")
+    defaults = {"TANDEM_MODEL": "", "TANDEM_BACKEND_ARGS": ""}
+    stack.run_compose("up", "-d", timeout=UP_TIMEOUT_S, env=defaults)
+    services = ("backend", "frontend", "lb")
+
+    def all_healthy() -> bool:
+        states = [stack.health(c) for s in services for c in stack.containers(s)]
+        return len(states) == len(services) and set(states) == {"healthy"}
+
+    took = wait_until("every service to be healthy", HEALTHY_TIMEOUT_S, all_healthy)
+    [backend] = stack.containers("backend")
+    log(f"healthy ({took:.0f} s after up)")
+
+    # The model the image carries: found there (the cache volume is new and empty), not converted.
+    logs = stack.logs(backend)
+    assert f"[start-up] model: the default model in {PREBUILT_MODEL_DIR}" in logs, logs[-3000:]
+    assert "nothing fetched or converted" in logs, logs[-3000:]
+    for said in ("Fetching the default model", "Converting"):
+        assert said not in logs, f"the backend said {said!r}: {logs[-3000:]}"
+    model_line = next(line for line in logs.splitlines() if "[start-up] model:" in line)
+    log(f"the backend used the image's default model, nothing fetched or converted: {model_line.strip()}; "
+        f"{ready_lines(logs)}")
+    log(f"chat through the load balancer: {chat(stack, 'What is the capital of France?')!r}")
+
+    # kill -9 of the engine inside the container: the container exits, compose restarts it.
+    restarts = int(stack.inspect(backend, "{{.RestartCount}}"))
+    killed = subprocess.run(["docker", "exec", backend, "python", "-c", KILL_ENGINE], check=True,
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+    log(f"killed the engine (kill -9) in {backend}: PID {killed}")
+    killed_at = time.monotonic()
+
+    def restarted_and_healthy() -> bool:
+        return int(stack.inspect(backend, "{{.RestartCount}}")) > restarts and all_healthy()
+
+    wait_until(f"{backend} to restart and every service to be healthy again", RESTART_TIMEOUT_S,
+               restarted_and_healthy)
+    log(f"{backend} restarted by compose (restart count {restarts} -> "
+        f"{stack.inspect(backend, '{{.RestartCount}}')}), every service healthy {time.monotonic() - killed_at:.0f} s "
+        f"after the kill; the backend's starts: {ready_lines(stack.logs(backend))}")
+    log(f"chat through the load balancer after the restart: {chat(stack, 'Name a colour.')!r}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--compose", required=True, help="the compose command, with its -f and -p options")
@@ -217,6 +312,9 @@ def main() -> int:
     failure = None
     try:
         scenario(stack)
+        log("down -v (the tiny model's stack)")
+        stack.run_compose("down", "-v", "--remove-orphans", "-t", "40", timeout=300)
+        default_model_scenario(stack)
     except Exception as error:  # noqa: BLE001 -- report, then still take the stack down
         failure = error
         log(f"FAILED: {error!r}")
