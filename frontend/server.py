@@ -40,7 +40,7 @@ from backend.types.wire import TOKEN_ENV  # read when --backend-auth-token is no
 from frontend.app import create_app
 from frontend.backend_response_store import BackendResponseStore
 from frontend.environment import API_KEY_ENV
-from frontend.gc_tuning import freeze_startup_heap
+from frontend.gc_tuning import tune_gc_for_serving
 from frontend.router import DEFAULT_PREFIX_TOKENS, POLICIES, Router, parse_targets
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
 from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -142,7 +142,7 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
         logger.info("Serving %s at http://%s:%d/v1 from the backends at %s (routing: %s).", model_info.model_name,
                     host, port, backend, routing)
         server = uvicorn.Server(config)
-        freeze_startup_heap()
+        tune_gc_for_serving()
         await server.serve()
         if not server.started:
             raise port_error(host, port, "--port")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import gc
 
-from frontend.gc_tuning import YOUNG_THRESHOLD, freeze_startup_heap
+from frontend.gc_tuning import YOUNG_THRESHOLD, tune_gc_for_serving
 
 
-def test_freezing_moves_the_live_heap_out_of_collection_and_raises_the_young_threshold():
+def test_the_live_heap_is_frozen_and_the_young_threshold_raised():
     thresholds = gc.get_threshold()
     try:
         before = gc.get_freeze_count()
         alive = [[i] for i in range(1000)]  # containers: objects the collector tracks
-        freeze_startup_heap()
+        tune_gc_for_serving()
         assert gc.get_freeze_count() >= before + len(alive)
         assert gc.get_threshold() == (YOUNG_THRESHOLD, thresholds[1], thresholds[2])
     finally:  # this test process goes on collecting as before
