@@ -43,7 +43,7 @@ def completion(client, **body):
 
 def test_an_unknown_field_is_refused_naming_it(client):
     assert_openai_error(chat(client, not_a_field=1), 400, "BadRequestError", "not_a_field")
-    assert_openai_error(completion(client, guided_json={}), 400, "BadRequestError", "guided_json")
+    assert_openai_error(completion(client, guided_jsn={}), 400, "BadRequestError", "guided_jsn")
 
 
 @pytest.mark.parametrize("name, value", [("allowed_token_ids", [1]),
