@@ -70,7 +70,8 @@ class LLMEngine:
         self.beams: dict[str, BeamSearch] = {}  # beam-search request ID -> its search
         self.structured_output = StructuredOutputManager(
             str(config.tokenizer_path), self.vocab_size, self.eos_token_ids,
-            compile_timeout_s=config.grammar_compile_timeout_s, compile_workers=config.grammar_compile_workers)
+            compile_timeout_s=config.grammar_compile_timeout_s, compile_workers=config.grammar_compile_workers,
+            json_max_whitespace=config.json_max_whitespace)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.speculative = config.speculative
