@@ -375,6 +375,7 @@ class LLMEngine:
             num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             pooled=runner_out.pooled.get(s.request_id) if runner_out.pooled else None,
+            scheduled_time=request.scheduled_time if first else None,
             # A one-token prompt has no logprobs computed: its list is [None], as any prompt's starts.
             prompt_logprobs=(request.prompt_logprobs or [None]) if first and request.wants_prompt_logprobs
             else None))
