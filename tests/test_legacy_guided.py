@@ -82,10 +82,10 @@ def test_guided_decoding_backend(client, engine):
     assert completion(client, guided_json=SCHEMA,
                       guided_decoding_backend="xgrammar:disable-any-whitespace, no-fallback").status_code == 200
     assert (constraint(engine).disable_any_whitespace, constraint(engine).disable_fallback) == (True, True)
-    for bad in ("outlines", "guidance:no-fallback", "xgrammar:whitespace"):
+    for bad in ("outlines", "guidance:no-fallback", "xgrammar:whitespace", ""):
         error = assert_openai_error(completion(client, guided_regex="a", guided_decoding_backend=bad), 400,
                                     "BadRequestError", "guided_decoding_backend")
-        assert "xgrammar" in error["message"] or "whitespace" in error["message"]
+        assert "xgrammar" in error["message"] or "whitespace" in error["message"], bad
     assert_openai_error(completion(client, guided_decoding_backend="xgrammar:no-fallback"), 400,
                         "BadRequestError", "guided_decoding_backend")
 

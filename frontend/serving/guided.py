@@ -72,7 +72,8 @@ def fold_legacy_guided(request: P.SamplingFields) -> None:
             logger.warning("A request used %s, vLLM's deprecated guided decoding field; use structured_outputs "
                            "instead (logged once per field).", name)
     given = [name for name in GUIDED_KINDS if name in used]
-    flags = _backend_options(request.guided_decoding_backend) if request.guided_decoding_backend else {}
+    backend = request.guided_decoding_backend
+    flags = _backend_options(backend) if backend is not None else {}
     if len(given) > 1:
         raise InvalidRequestError(f"Give one of {' and '.join(given)}, not several: each is a constraint of its own.",
                                   param=given[0])
