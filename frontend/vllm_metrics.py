@@ -26,6 +26,7 @@ VLLM_FAMILIES = frozenset({
     "request_inference_time_seconds", "request_decode_time_seconds",
     "request_prompt_tokens", "request_generation_tokens", "request_params_n", "request_params_max_tokens",
     "request_success", "prefix_cache_queries", "prefix_cache_hits",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
 })
 
 

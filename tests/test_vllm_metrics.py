@@ -106,3 +106,25 @@ def test_the_api_ports_metrics_serve_vllms_names_beside_tandems(stack):
     # Families vLLM has no counterpart for keep their tandem: name only.
     assert ("tandem:engine_errors_total", (("model_name", model),)) in after
     assert not any(name.startswith("vllm:engine_errors") or name.startswith("vllm:http") for name, _ in after)
+
+
+def test_speculative_decoding_counters_appear_only_with_a_proposer():
+    from types import SimpleNamespace
+
+    from backend.server.metrics import _EngineCollector
+    from backend.types.outputs import EngineLoad
+
+    engine = SimpleNamespace(
+        get_load=lambda: EngineLoad(num_requests_running=1, num_requests_waiting=0, kv_cache_usage=0.5),
+        num_prompt_tokens_total=10, num_generation_tokens_total=20, num_draft_tokens_total=8,
+        num_accepted_tokens_total=5, proposer=None,
+        scheduler=SimpleNamespace(num_preemptions_total=0, iteration_tokens=TokenHistogram()),
+        config=SimpleNamespace(block_size=4, enable_prefix_caching=True, kv_cache_dtype_name="float32"),
+        block_manager=SimpleNamespace(num_blocks=64))
+    collector = _EngineCollector(engine, "m")
+    assert not any(f.name.startswith("tandem:spec_decode") for f in collector.collect())
+    engine.proposer = object()
+    values = {s.name: s.value for f in collector.collect() for s in f.samples}
+    assert values["tandem:spec_decode_num_draft_tokens_total"] == 8
+    assert values["tandem:spec_decode_num_accepted_tokens_total"] == 5
+    assert "spec_decode_num_accepted_tokens" in VLLM_FAMILIES

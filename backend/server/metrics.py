@@ -60,6 +60,13 @@ class _EngineCollector(Collector):
             (CounterMetricFamily, "tandem:num_preemptions",
              "Sequences preempted to free KV-cache blocks.", self._engine.scheduler.num_preemptions_total),
         )
+        if self._engine.proposer is not None:  # as vLLM: only with speculative decoding configured
+            values += (
+                (CounterMetricFamily, "tandem:spec_decode_num_draft_tokens",
+                 "Speculative tokens proposed.", self._engine.num_draft_tokens_total),
+                (CounterMetricFamily, "tandem:spec_decode_num_accepted_tokens",
+                 "Speculative tokens accepted.", self._engine.num_accepted_tokens_total),
+            )
         for family, name, documentation, value in values:
             metric = family(name, documentation, labels=["model_name"])
             metric.add_metric([self._model_name], value)
