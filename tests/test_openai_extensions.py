@@ -72,6 +72,12 @@ def test_vllms_validation(client, body, param):
     assert_openai_error(completion(client, **body), 400, "BadRequestError", param)
 
 
+@pytest.mark.parametrize("prompt", ["", [], [[]]])
+def test_an_empty_prompt_names_prompt_and_prompt_embeds_as_vllm_does(client, prompt):
+    error = assert_openai_error(completion(client, prompt=prompt), 400, "BadRequestError", "prompt")
+    assert "Either prompt or prompt_embeds must be provided and non-empty" in error["message"]
+
+
 def test_max_tokens_zero_needs_echo(client):
     assert_openai_error(completion(client, max_tokens=0), 400, "BadRequestError", "max_tokens")
 
