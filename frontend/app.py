@@ -41,6 +41,7 @@ from frontend.serving.chat import OpenAIServingChat
 from frontend.serving.completions import OpenAIServingCompletion
 from frontend.serving.embeddings import OpenAIServingEmbedding
 from frontend.serving.errors import install_error_handlers
+from frontend.serving.guided import deprecation_headers
 from frontend.serving.invocations import OpenAIServingInvocations
 from frontend.serving.models import OpenAIServingModels
 from frontend.serving.response_store import ResponseStore
@@ -97,11 +98,15 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
 
     @app.post("/v1/completions")
     async def completions(request: P.CompletionRequest, raw_request: Request) -> Response:
-        return await serving_completion.create_completion(request, raw_request)
+        response = await serving_completion.create_completion(request, raw_request)
+        response.headers.update(deprecation_headers(request))  # vLLM's legacy guided_* fields
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
-        return await serving_chat.create_chat_completion(request, raw_request)
+        response = await serving_chat.create_chat_completion(request, raw_request)
+        response.headers.update(deprecation_headers(request))  # vLLM's legacy guided_* fields
+        return response
 
     @app.post("/v1/embeddings", response_model=P.EmbeddingResponse)
     async def create_embeddings(request: P.EmbeddingRequest, raw_request: Request) -> Response:

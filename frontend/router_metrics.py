@@ -35,10 +35,10 @@ async def merged_engine_metrics(backends: list, timeout_s: float) -> str:
                                                              family.type, family.unit))
             merged.samples.extend(sample._replace(labels={**sample.labels, "backend": backend.address})
                                   for sample in family.samples)
-    return generate_latest(_Families(list(families.values()))).decode()
+    return generate_latest(Families(list(families.values()))).decode()
 
 
-class _Families(Collector):
+class Families(Collector):
     """Metric families already collected (what ``generate_latest`` renders)."""
 
     def __init__(self, families: list[Metric]) -> None:

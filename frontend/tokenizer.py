@@ -32,8 +32,10 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
 
-# OpenAI's chat roles ("function" is its deprecated form of "tool"); others are refused.
+# OpenAI's chat roles ("function" is its deprecated form of "tool"). Any other role string is passed
+# to the template as it is (vLLM's custom roles: the template decides what it means), up to this length.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_ROLE_CHARS = 64
 
 # The detokenizer starts from a short prompt suffix, not the whole prompt: enough
 # for the first generated token to read as a continuation, and cheap to prime.
@@ -141,9 +143,10 @@ def _normalize_message(message: Any, position: int) -> dict:
         raise InvalidRequestError(f"messages[{position}] must be an object, got {type(message).__name__}.",
                                   param="messages")
     role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise InvalidRequestError(f"messages[{position}].role must be one of {', '.join(sorted(CHAT_ROLES))}; "
-                                  f"got {role!r:.40}.", param="messages")
+    if not isinstance(role, str) or not 0 < len(role) <= MAX_ROLE_CHARS:
+        raise InvalidRequestError(f"messages[{position}].role must be a string of 1 to {MAX_ROLE_CHARS} characters "
+                                  f"(OpenAI's: {', '.join(sorted(CHAT_ROLES))}; other roles go to the chat "
+                                  f"template as they are); got {role!r:.40}.", param="messages")
     # apply_chat_template's normalization: templates test for a key's presence, not for null.
     normalized = {key: value for key, value in message.items() if value is not None}
     content = message.get("content")

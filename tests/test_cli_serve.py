@@ -398,7 +398,11 @@ def test_one_scrape_of_the_frontend_gives_http_and_engine_metrics(served):
     for name in ("tandem:http_requests", "tandem:num_requests_running", "tandem:kv_cache_usage_perc",
                  "tandem:prefix_cache_queries", "tandem:prefix_cache_hits", "tandem:cache_config_info",
                  "tandem:inter_token_latency_seconds", "tandem:request_params_n",
-                 "tandem:request_params_max_tokens", "tandem:request_decode_time_seconds"):
+                 "tandem:request_params_max_tokens", "tandem:request_decode_time_seconds",
+                 # and under vLLM's names (frontend/vllm_metrics.py), with the phase and step families
+                 "vllm:num_requests_running", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
+                 "vllm:iteration_tokens_total"):
         assert name in families, name
     queries = [s.value for s in families["tandem:prefix_cache_queries"].samples if s.name.endswith("_total")]
     assert queries and queries[0] > 0

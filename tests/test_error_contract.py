@@ -115,7 +115,7 @@ HTTP_CASES = [
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
     # messages
-    (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "w" * 65, "content": "Hi"}]}, 400, "messages"),  # custom roles: up to 64 chars
     (CHAT, {"messages": [{"content": "Hi"}]}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),

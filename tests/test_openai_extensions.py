@@ -43,7 +43,7 @@ def completion(client, **body):
 
 def test_an_unknown_field_is_refused_naming_it(client):
     assert_openai_error(chat(client, not_a_field=1), 400, "BadRequestError", "not_a_field")
-    assert_openai_error(completion(client, guided_json={}), 400, "BadRequestError", "guided_json")
+    assert_openai_error(completion(client, guided_jsn={}), 400, "BadRequestError", "guided_jsn")
 
 
 @pytest.mark.parametrize("name, value", [("allowed_token_ids", [1]),
@@ -70,6 +70,12 @@ def test_a_vllm_field_tandem_does_not_implement_is_a_400_naming_it(client, name,
 ])
 def test_vllms_validation(client, body, param):
     assert_openai_error(completion(client, **body), 400, "BadRequestError", param)
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]]])
+def test_an_empty_prompt_names_prompt_and_prompt_embeds_as_vllm_does(client, prompt):
+    error = assert_openai_error(completion(client, prompt=prompt), 400, "BadRequestError", "prompt")
+    assert "Either prompt or prompt_embeds must be provided and non-empty" in error["message"]
 
 
 def test_max_tokens_zero_needs_echo(client):

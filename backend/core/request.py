@@ -29,7 +29,7 @@ class Request:
                  "arrival_time", "cache_salt", "status", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "num_inflight_tokens", "num_placeholders", "num_cached_tokens",
                  "num_preemptions", "block_hashes", "finish_reason", "stop_reason", "prompt_logprobs",
-                 "first_token_time", "draft_token_ids")
+                 "first_token_time", "scheduled_time", "draft_token_ids")
 
     def __init__(
         self,
@@ -66,6 +66,7 @@ class Request:
         self.stop_reason: Optional[int] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
         self.first_token_time: Optional[float] = None
+        self.scheduled_time: Optional[float] = None  # time.monotonic() of its first schedule
         # Speculative tokens proposed for the next step (not part of the sequence until accepted).
         self.draft_token_ids: list[int] = []
 

@@ -10,10 +10,12 @@ running request is preempted: its blocks are freed and it is recomputed later.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Optional
 
 from backend.core.block_manager import BlockManager
+from backend.core.iteration_stats import TokenHistogram
 from backend.core.request import Request, RequestStatus
 from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from backend.types.outputs import FinishReason
@@ -32,6 +34,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.iteration_tokens = TokenHistogram()  # tokens scheduled per step (for /metrics)
 
     # ---- queue management ----------------------------------------------------
 
@@ -128,14 +131,17 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # its first schedule
                 request.num_cached_tokens = num_hit_tokens
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._make_scheduled(request, num_new))
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, set()
+        if scheduled:
+            self.iteration_tokens.observe(self.max_num_batched_tokens - budget)
         return SchedulerOutput(scheduled=scheduled,
                                num_scheduled_tokens=self.max_num_batched_tokens - budget,
                                finished_request_ids=finished, num_preempted=num_preempted)

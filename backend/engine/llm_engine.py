@@ -70,7 +70,8 @@ class LLMEngine:
         self.beams: dict[str, BeamSearch] = {}  # beam-search request ID -> its search
         self.structured_output = StructuredOutputManager(
             str(config.tokenizer_path), self.vocab_size, self.eos_token_ids,
-            compile_timeout_s=config.grammar_compile_timeout_s, compile_workers=config.grammar_compile_workers)
+            compile_timeout_s=config.grammar_compile_timeout_s, compile_workers=config.grammar_compile_workers,
+            json_max_whitespace=config.json_max_whitespace)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.speculative = config.speculative
@@ -374,6 +375,7 @@ class LLMEngine:
             num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             pooled=runner_out.pooled.get(s.request_id) if runner_out.pooled else None,
+            scheduled_time=request.scheduled_time if first else None,
             # A one-token prompt has no logprobs computed: its list is [None], as any prompt's starts.
             prompt_logprobs=(request.prompt_logprobs or [None]) if first and request.wants_prompt_logprobs
             else None))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -27,6 +27,8 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+# A sequence's phases (seconds): queued, prefill (to its first token), inference (scheduled to its end).
+_PHASE_BUCKETS = _E2E_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
 
@@ -58,6 +60,13 @@ class _EngineCollector(Collector):
             (CounterMetricFamily, "tandem:num_preemptions",
              "Sequences preempted to free KV-cache blocks.", self._engine.scheduler.num_preemptions_total),
         )
+        if self._engine.proposer is not None:  # as vLLM: only with speculative decoding configured
+            values += (
+                (CounterMetricFamily, "tandem:spec_decode_num_draft_tokens",
+                 "Speculative tokens proposed.", self._engine.num_draft_tokens_total),
+                (CounterMetricFamily, "tandem:spec_decode_num_accepted_tokens",
+                 "Speculative tokens accepted.", self._engine.num_accepted_tokens_total),
+            )
         for family, name, documentation, value in values:
             metric = family(name, documentation, labels=["model_name"])
             metric.add_metric([self._model_name], value)
@@ -68,6 +77,12 @@ class _EngineCollector(Collector):
         info.add_metric([str(config.block_size), str(self._engine.block_manager.num_blocks),
                          str(config.enable_prefix_caching), str(config.kv_cache_dtype_name)], 1)
         yield info
+        buckets, total = self._engine.scheduler.iteration_tokens.cumulative()
+        iteration = HistogramMetricFamily("tandem:iteration_tokens_total",
+                                          "Tokens scheduled in each engine step (prompt chunks, decodes, drafts).",
+                                          labels=["model_name"])
+        iteration.add_metric([self._model_name], buckets, total)
+        yield iteration
 
 
 class EngineMetrics:
@@ -104,6 +119,15 @@ class EngineMetrics:
         self._request_decode_time = histogram(
             "tandem:request_decode_time_seconds", "Seconds from a sequence's first token to its end.",
             _E2E_BUCKETS)
+        self._request_queue_time = histogram(
+            "tandem:request_queue_time_seconds", "Seconds from a sequence's arrival to its first schedule "
+            "(waiting in the queue; a grammar's compile included).", _PHASE_BUCKETS)
+        self._request_prefill_time = histogram(
+            "tandem:request_prefill_time_seconds", "Seconds from a sequence's first schedule to its first token.",
+            _PHASE_BUCKETS)
+        self._request_inference_time = histogram(
+            "tandem:request_inference_time_seconds", "Seconds from a sequence's first schedule to its end.",
+            _PHASE_BUCKETS)
         self._inter_token_latency = histogram(
             "tandem:inter_token_latency_seconds", "Seconds between a sequence's successive tokens.",
             _TPOT_BUCKETS)
@@ -144,6 +168,14 @@ class EngineMetrics:
         self._request_params_n.observe(n)
         if max_tokens is not None:
             self._request_params_max_tokens.observe(max_tokens)
+
+    def observe_scheduled(self, queue_seconds: float, prefill_seconds: float) -> None:
+        """A sequence's first token came: how long it waited to be scheduled, then to get the token."""
+        self._request_queue_time.observe(queue_seconds)
+        self._request_prefill_time.observe(prefill_seconds)
+
+    def observe_inference_time(self, seconds: float) -> None:
+        self._request_inference_time.observe(seconds)
 
     def observe_decode_time(self, seconds: float) -> None:
         self._request_decode_time.observe(seconds)

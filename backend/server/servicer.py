@@ -77,6 +77,7 @@ class _GenerateCall:
         self.num_cached_tokens = [0] * n
         self.last_token_time: list[Optional[float]] = [None] * n
         self.first_token_time: list[Optional[float]] = [None] * n
+        self.scheduled_time: list[Optional[float]] = [None] * n  # the engine's first schedule
         self.finished = [False] * n
 
     def response(self, output: EngineOutput) -> engine_pb2.GenerateResponse:
@@ -86,6 +87,10 @@ class _GenerateCall:
             if last is None:
                 self.metrics.observe_first_token(now - self.arrival_time)
                 self.first_token_time[index] = now
+                if output.scheduled_time is not None:
+                    self.scheduled_time[index] = output.scheduled_time
+                    self.metrics.observe_scheduled(max(output.scheduled_time - self.arrival_time, 0.0),
+                                                   max(now - output.scheduled_time, 0.0))
                 if index == 0:  # the prompt is looked up in the prefix cache once per request
                     self.metrics.observe_prefix_cache(self.num_prompt_tokens, output.num_cached_tokens)
             else:
@@ -118,6 +123,8 @@ class _GenerateCall:
                                           self.num_tokens[index], reason.value)
             if self.first_token_time[index] is not None:
                 self.metrics.observe_decode_time(now - self.first_token_time[index])
+            if self.scheduled_time[index] is not None:
+                self.metrics.observe_inference_time(max(now - self.scheduled_time[index], 0.0))
 
 
 async def _until_set(outputs: AsyncIterator[EngineOutput], stop: asyncio.Event) -> AsyncIterator[EngineOutput]:

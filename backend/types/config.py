@@ -28,6 +28,7 @@ QUANTIZATIONS = ("int8", "w8a8", "int4", "gguf", "awq", "gptq")  # int8 / int4 w
 # The KV cache's element type: auto = the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn, as vLLM's).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 MAX_GRAMMAR_COMPILE_WORKERS = 64  # each a process holding xgrammar (and torch)
+MAX_JSON_WHITESPACE = 4096  # json_max_whitespace: a bound, not a repetition count to blow up the grammar
 
 
 def cpu_has_native_bf16() -> bool:
@@ -90,6 +91,11 @@ FIELD_HELP = {
                         "hiding the host's work (one worker only; not with speculative decoding). "
                         "(default: on with CUDA; off on the CPU, where the model and the engine's "
                         "host work share the same cores)",
+    "json_max_whitespace": "most whitespace characters a JSON grammar (json, json_object, response_format, "
+                           "tool calls) allows between two JSON tokens, so a model cannot loop on newlines "
+                           "until max_tokens; 20 fits a newline and indentation 19 deep, as llama.cpp's JSON "
+                           "grammar allows; 0: unbounded. structured_outputs.disable_any_whitespace still "
+                           "allows none",
     "grammar_compile_workers": "worker processes compiling structured-output grammars at once "
                                "(each ~300 MB; two or more, so one slow grammar never holds up another)",
 }
@@ -214,6 +220,7 @@ class EngineConfig:
     # CPU, while a grammar bomb holds a worker no longer than that.
     grammar_compile_timeout_s: float = 20.0
     grammar_compile_workers: int = 2
+    json_max_whitespace: int = 20  # 0: unbounded (xgrammar's own default)
     # Schedule step N+1 while step N runs (backend/engine/inflight.py). None: on with CUDA and one
     # worker, off on the CPU (see FIELD_HELP).
     async_scheduling: Optional[bool] = None
@@ -253,6 +260,9 @@ class EngineConfig:
         if not 1 <= self.grammar_compile_workers <= MAX_GRAMMAR_COMPILE_WORKERS:
             bad("grammar_compile_workers", f"grammar_compile_workers must be between 1 and "
                 f"{MAX_GRAMMAR_COMPILE_WORKERS}; got {self.grammar_compile_workers}.")
+        if not 0 <= self.json_max_whitespace <= MAX_JSON_WHITESPACE:
+            bad("json_max_whitespace", f"json_max_whitespace must be between 0 (unbounded) and "
+                f"{MAX_JSON_WHITESPACE}; got {self.json_max_whitespace}.")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
         if self.quantization not in (None, *QUANTIZATIONS):

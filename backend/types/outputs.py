@@ -54,6 +54,9 @@ class EngineOutput:
     error: Optional[str] = None
     # An embedding request's pooled hidden state (fp32), with its final output.
     pooled: Optional[list[float]] = None
+    # time.monotonic() when the sequence was first scheduled (its queue time ended); with its first delta.
+    # A timestamp for the backend's metrics, not part of what was produced: outputs compare without it.
+    scheduled_time: Optional[float] = field(default=None, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:

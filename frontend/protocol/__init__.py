@@ -20,9 +20,10 @@ from frontend.protocol.chat import (ChatCompletionLogprobContent, ChatCompletion
                                     ChatCompletionStreamResponse, ChatCompletionTopLogprob, ChatMessage, DeltaMessage,
                                     DeltaToolCall, FunctionCall, ToolCall)
 from frontend.protocol.common import (IGNORED_FIELDS, INT64, UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse,
-                                      JsonSchemaFormat, Logprobs, PromptLogprob, PromptTokensDetails, RequestModel,
-                                      ResponseFormat, ResponseModel, SamplingFields, StreamOptions,
-                                      StructuredOutputsRequest, Unsupported, UsageInfo, created_now)
+                                      JsonSchemaFormat, LegacyGuidedFields, Logprobs, PromptLogprob,
+                                      PromptTokensDetails, RequestModel, ResponseFormat, ResponseModel,
+                                      SamplingFields, StreamOptions, StructuredOutputsRequest, Unsupported, UsageInfo,
+                                      created_now)
 from frontend.protocol.completions import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                            CompletionResponseChoice, CompletionStreamResponse)
 from frontend.protocol.embeddings import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, PoolingData,
@@ -35,7 +36,8 @@ from frontend.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, T
                                         TokenizerInfoResponse)
 
 __all__ = [
-    "IGNORED_FIELDS", "INT64", "UNSUPPORTED_FIELDS", "ErrorInfo", "ErrorResponse", "JsonSchemaFormat", "Logprobs",
+    "IGNORED_FIELDS", "INT64", "UNSUPPORTED_FIELDS", "ErrorInfo", "ErrorResponse", "JsonSchemaFormat",
+    "LegacyGuidedFields", "Logprobs",
     "PromptLogprob", "PromptTokensDetails", "RequestModel", "ResponseFormat", "ResponseModel", "SamplingFields",
     "StreamOptions", "StructuredOutputsRequest", "Unsupported", "UsageInfo", "created_now",
     "CompletionLogProbs", "CompletionRequest", "CompletionResponse", "CompletionResponseChoice",

@@ -54,6 +54,8 @@ UNSUPPORTED_FIELDS = {
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported "
+                                 "(structured_outputs.disable_any_whitespace turns JSON whitespace off)",
 }
 # Accepted and without effect (OpenAI's end-user ID, for the client's own bookkeeping).
 IGNORED_FIELDS = ("user",)
@@ -111,7 +113,23 @@ class Unsupported(RequestModel):
     vllm_xargs: Optional[dict[str, Any]] = None
 
 
-class SamplingFields(Unsupported):
+class LegacyGuidedFields(RequestModel):
+    """vLLM's guided decoding fields from before ``structured_outputs`` (vLLM <= 0.10), still sent by
+    many clients: accepted as aliases of ``structured_outputs`` (``frontend.serving.guided``), with a
+    ``Deprecation`` response header. At most one constraint, and not beside structured_outputs or
+    response_format."""
+
+    guided_json: Union[dict[str, Any], str, None] = None  # structured_outputs.json
+    guided_regex: Optional[str] = None  # structured_outputs.regex
+    guided_choice: Optional[list[str]] = None  # structured_outputs.choice
+    guided_grammar: Optional[str] = None  # structured_outputs.grammar
+    # "auto" or "xgrammar" (the one backend), optionally with vLLM's options after a colon:
+    # "xgrammar:disable-any-whitespace,no-fallback".
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None  # UNSUPPORTED_FIELDS
+
+
+class SamplingFields(Unsupported, LegacyGuidedFields):
     """Sampling fields both generation endpoints take; None means the engine default."""
 
     model: Optional[str] = None

@@ -43,6 +43,7 @@ from frontend.engine_client import EngineClient
 from frontend.outputs import RequestOutputBuilder, TextDelta
 from frontend.serving import sse
 from frontend.serving.errors import ClientDisconnectedError, error_of_exception
+from frontend.serving.guided import fold_legacy_guided
 from frontend.serving.prompts import Prompt, PromptRenderer
 from frontend.tool_calls import choose_parser
 from frontend.tool_reply import ToolReply
@@ -213,6 +214,7 @@ class OpenAIServing:
                 raise InvalidRequestError(f"{reason}; leave `{name}` out.", param=name)
         if request.stream_options is not None and not request.stream:
             raise InvalidRequestError("stream_options can only be set with stream=true.", param="stream_options")
+        fold_legacy_guided(request)  # guided_json etc. -> structured_outputs
         if request.response_format is not None and request.structured_outputs is not None:
             raise InvalidRequestError("Give response_format or structured_outputs, not both.",
                                       param="response_format")

@@ -9,6 +9,7 @@ from backend.types.errors import InvalidRequestError
 from frontend import protocol as P
 from frontend.serving.chat import OpenAIServingChat
 from frontend.serving.completions import OpenAIServingCompletion
+from frontend.serving.guided import deprecation_headers
 
 
 class OpenAIServingInvocations:
@@ -24,8 +25,14 @@ class OpenAIServingInvocations:
         except ValueError:
             raise InvalidRequestError("The body must be a JSON object.", param="body") from None
         if isinstance(body, dict) and "messages" in body:
-            return await self.chat.create_chat_completion(P.ChatCompletionRequest.model_validate(body), raw_request)
+            chat = P.ChatCompletionRequest.model_validate(body)
+            response = await self.chat.create_chat_completion(chat, raw_request)
+            response.headers.update(deprecation_headers(chat))
+            return response
         if isinstance(body, dict) and "prompt" in body:
-            return await self.completions.create_completion(P.CompletionRequest.model_validate(body), raw_request)
+            completion = P.CompletionRequest.model_validate(body)
+            response = await self.completions.create_completion(completion, raw_request)
+            response.headers.update(deprecation_headers(completion))
+            return response
         raise InvalidRequestError("/invocations takes a chat completion body (with messages) or a completion "
                                   "body (with prompt).", param="messages")

@@ -38,6 +38,14 @@ class Prompt:
     token_ids: list[int]
 
 
+def _empty(param: str) -> str:
+    """The error for an empty prompt: vLLM's words (naming prompt_embeds, which this server refuses)."""
+    if param == "prompt":
+        return ("Either prompt or prompt_embeds must be provided and non-empty (prompt_embeds are not "
+                "supported by this server: give a non-empty prompt).")
+    return f"{param} holds an empty input (no tokens)."
+
+
 class PromptRenderer:
     """Turns request text into token IDs for one tokenizer and model, within ``limits``.
 
@@ -129,7 +137,7 @@ class PromptRenderer:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif not prompt:
-            raise InvalidRequestError(f"{param} must not be empty.", param=param)
+            raise InvalidRequestError(_empty(param), param=param)
         elif isinstance(prompt[0], int):
             items = [prompt]  # one prompt of token IDs
         else:
@@ -146,8 +154,7 @@ class PromptRenderer:
                 self.check_token_ids(item, param=param)
                 prompts.append(Prompt(None, list(item)))
             if not prompts[-1].token_ids:
-                raise InvalidRequestError(f"The {param} is empty." if param == "prompt"
-                                          else f"{param} holds an empty input (no tokens).", param=param)
+                raise InvalidRequestError(_empty(param), param=param)
         return prompts
 
     def truncate(self, prompt: Prompt, keep: Optional[int]) -> Prompt:

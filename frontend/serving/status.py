@@ -3,7 +3,8 @@
 /health asks the engine client (``GrpcEngineClient`` and ``Router`` have
 ``health()``) and carries this process's ``$TANDEM_INSTANCE_ID``, when set, in
 ``X-Tandem-Instance`` (``frontend.environment``). /metrics serves the frontend's
-own registry (HTTP metrics, the router's collector), then the engines' metrics.
+own registry (HTTP metrics, the router's collector), then the engines' metrics, then those of
+them vLLM also has under vLLM's names (``frontend.vllm_metrics``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from frontend import protocol as P
 from frontend.environment import INSTANCE_ENV, INSTANCE_HEADER
 from frontend.serving.base import ServingContext
 from frontend.serving.errors import error_body, error_json_response
+from frontend.vllm_metrics import vllm_named
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +55,14 @@ class ServingStatus:
 
     async def metrics(self) -> Response:
         """The frontend's HTTP and router metrics, then the engines' (``Router.metrics_text``:
-        each backend's GetMetrics, labelled by backend). A client without it serves only ours."""
+        each backend's GetMetrics, labelled by backend), also under vLLM's names. A client without
+        it serves only ours."""
         text = generate_latest(self.registry)
         fetch = getattr(self.context.engine_client, "metrics_text", None)
         if fetch is not None:
             try:
-                text += (await fetch()).encode()
+                engine_text = await fetch()
+                text += engine_text.encode() + vllm_named(engine_text).encode()
             except TandemError as error:  # the backend is down: /health says so; keep serving ours
                 logger.warning("Could not fetch the backend's metrics: %s", error)
         return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -1,4 +1,5 @@
-"""A grammar compiler's worker process: ``python -m backend.core.structured_output.compile_worker FD PARENT_PID TOKENIZER_INFO``.
+"""A grammar compiler's worker process:
+``python -m backend.core.structured_output.compile_worker FD PARENT_PID TOKENIZER_INFO JSON_MAX_WHITESPACE``.
 
 For each structured-output spec it is sent it makes the grammar's EBNF (``grammar_ebnf``) and
 compiles that with xgrammar, so the engine process learns, within its time bound, whether and
@@ -10,7 +11,8 @@ Messages, over one socket (a ``multiprocessing`` Connection on FD): once set up 
 ``(READY, pid)`` (or ``(START_FAILED, traceback)`` and exits); then every
 ``StructuredOutputsParams`` it receives is answered ``(OK, ebnf)`` or ``(INVALID, message)``.
 TOKENIZER_INFO is a file holding ``xgrammar.TokenizerInfo.serialize_json()``: the vocabulary
-comes from the engine, so the worker never loads a tokenizer. A closed socket ends it, and so
+comes from the engine, so the worker never loads a tokenizer. JSON_MAX_WHITESPACE is the engine's
+``json_max_whitespace`` (0: unbounded). A closed socket ends it, and so
 does the engine's death (a watchdog thread), even in the middle of a compile.
 """
 
@@ -38,10 +40,12 @@ _XGRAMMAR_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 _LENGTH_STRING_CHARS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
 
 
-def grammar_ebnf(spec) -> str:
+def grammar_ebnf(spec, json_max_whitespace: int = 0) -> str:
     """The EBNF (start rule ``root``) of the outputs a ``StructuredOutputsParams`` allows.
 
-    JSON is xgrammar's strict mode, control characters kept out of strings. Raises xgrammar's
+    JSON is xgrammar's strict mode, control characters kept out of strings, with at most
+    ``json_max_whitespace`` whitespace characters between two JSON tokens (0: any number; a
+    model left free to emit whitespace can loop on newlines until max_tokens). Raises xgrammar's
     RuntimeError/ValueError for a spec it cannot take.
     """
     import xgrammar
@@ -49,6 +53,7 @@ def grammar_ebnf(spec) -> str:
     if spec.json is not None or spec.json_object:
         ebnf = str(xgrammar.Grammar.from_json_schema(spec.json or '{"type": "object"}',
                                                      any_whitespace=not spec.disable_any_whitespace,
+                                                     max_whitespace_cnt=json_max_whitespace or None,
                                                      strict_mode=True))
         return ebnf.replace(*_LENGTH_STRING_CHARS)
     if spec.regex is not None:
@@ -63,7 +68,7 @@ def xgrammar_message(error: BaseException) -> str:
     return _XGRAMMAR_LOCATION.sub("", str(error).strip())
 
 
-def serve(conn: Connection, tokenizer_info_path: str) -> int:
+def serve(conn: Connection, tokenizer_info_path: str, json_max_whitespace: int) -> int:
     try:
         import xgrammar
 
@@ -80,7 +85,7 @@ def serve(conn: Connection, tokenizer_info_path: str) -> int:
         except EOFError:  # the engine closed the socket
             return 0
         try:
-            ebnf = grammar_ebnf(spec)
+            ebnf = grammar_ebnf(spec, json_max_whitespace)
             compiler.compile_grammar(ebnf)  # what the engine will repeat: known now to finish
         except (RuntimeError, ValueError, TypeError) as error:
             conn.send((INVALID, xgrammar_message(error)))
@@ -90,11 +95,12 @@ def serve(conn: Connection, tokenizer_info_path: str) -> int:
 
 def main() -> int:
     fd, parent_pid, tokenizer_info_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    json_max_whitespace = int(sys.argv[4])
     exit_when_orphaned(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     conn = Connection(fd)
     try:
-        return serve(conn, tokenizer_info_path)
+        return serve(conn, tokenizer_info_path, json_max_whitespace)
     finally:
         conn.close()
 

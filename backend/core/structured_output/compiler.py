@@ -76,9 +76,10 @@ class _WorkerDied(Exception):
 class _WorkerProcess:
     """One ``backend.grammar_worker`` process and its socket."""
 
-    def __init__(self, tokenizer_info_path: str) -> None:
+    def __init__(self, tokenizer_info_path: str, json_max_whitespace: int) -> None:
         self.process, self.conn = start_child(
-            ["-m", "backend.core.structured_output.compile_worker", FD, str(os.getpid()), tokenizer_info_path],
+            ["-m", "backend.core.structured_output.compile_worker", FD, str(os.getpid()), tokenizer_info_path,
+             str(json_max_whitespace)],
             source_root=_SOURCE_ROOT)
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -157,13 +158,14 @@ def _stop_workers(workers: set, state: dict) -> None:
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` into ``xgrammar.CompiledGrammar`` for one tokenizer.
 
-    Thread-safe. ``timeout_s`` bounds each compile, ``num_workers`` how many run at once. The
+    Thread-safe. ``timeout_s`` bounds each compile, ``num_workers`` how many run at once;
+    ``json_max_whitespace`` bounds the whitespace between JSON tokens of JSON grammars (0: none). The
     tokenizer's vocabulary is read on the first compile (about a second for 49k tokens), not at
     engine start; workers start when compiles need them.
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
-                 timeout_s: float, num_workers: int) -> None:
+                 timeout_s: float, num_workers: int, json_max_whitespace: int = 0) -> None:
         if not 0 < timeout_s < float("inf"):
             raise InvalidRequestError(f"grammar_compile_timeout_s must be positive and finite; got {timeout_s}.",
                                       param="grammar_compile_timeout_s")
@@ -175,6 +177,7 @@ class GrammarCompiler:
         self.stop_token_ids = list(stop_token_ids)
         self.timeout_s = timeout_s
         self.num_workers = num_workers
+        self.json_max_whitespace = json_max_whitespace  # the same for every spec: not in the cache key
         self.num_worker_compiles = 0  # specs sent to a worker (each a cache miss)
         self._lock = threading.Lock()
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # key -> CompiledGrammar, LRU
@@ -378,7 +381,7 @@ class GrammarCompiler:
     def _start_worker(self) -> None:
         """On a thread of its own (``_starting`` counts it already): start one worker, queue it when ready."""
         try:
-            worker = _WorkerProcess(os.path.join(self._state["dir"], "tokenizer_info.json"))
+            worker = _WorkerProcess(os.path.join(self._state["dir"], "tokenizer_info.json"), self.json_max_whitespace)
             worker.wait_ready(WORKER_START_TIMEOUT_S)
         except Exception:  # noqa: BLE001 -- the compile that takes its place reports it
             logger.exception("A grammar compiler process could not start")

@@ -46,9 +46,10 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
                  compile_timeout_s: float = EngineConfig.grammar_compile_timeout_s,
-                 compile_workers: int = EngineConfig.grammar_compile_workers) -> None:
+                 compile_workers: int = EngineConfig.grammar_compile_workers,
+                 json_max_whitespace: int = EngineConfig.json_max_whitespace) -> None:
         self.compiler = GrammarCompiler(tokenizer_path, vocab_size, stop_token_ids, compile_timeout_s,
-                                        compile_workers)
+                                        compile_workers, json_max_whitespace)
         self.vocab_size = vocab_size
         self._matchers: dict[str, Any] = {}  # request ID -> xgrammar.GrammarMatcher
         self._bitmask: Optional[torch.Tensor] = None  # reused across steps, grown as needed
