@@ -55,7 +55,9 @@ def random_int4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, tor
 
 # odd M and N; K multiples of 32; 1-4 rows in registers, more through the panel (with tails)
 @needs_kernels
-@pytest.mark.parametrize("m, k, n", [(1, 32, 5), (3, 64, 12), (4, 96, 17), (5, 128, 9), (33, 64, 37), (130, 256, 20)])
+# (2 and 17 rows, K = 288: the AVX2 build's 2 x 2 tiles and their odd tails)
+@pytest.mark.parametrize("m, k, n", [(1, 32, 5), (2, 288, 7), (3, 64, 12), (4, 96, 17), (5, 128, 9), (17, 288, 7),
+                                     (33, 64, 37), (130, 256, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_equals_its_reference(m, k, n, dtype):
     gen = torch.Generator().manual_seed(m * 1000 + n)
@@ -72,6 +74,23 @@ def test_int4_linear_equals_its_reference(m, k, n, dtype):
     whole = cpu.int4_linear(x, qweight, scales, None)
     for i in range(m):  # a row's result does not depend on the rows batched with it
         assert torch.equal(cpu.int4_linear(x[i:i + 1], qweight, scales, None)[0], whole[i])
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17])
+def test_int4_linear_below_avx512_gives_int4f_bits(m):
+    # Without AVX-512 both kernels sum the same products in the same order (fp16 -> fp32 scales is
+    # exact), so int4 (fp16 d, m) and gguf_int4f (fp32 d, m) agree bit for bit.
+    if cpu.loaded_library()[1].name not in ("avx2", "native"):  # native: CPUs that are not x86-64
+        pytest.skip("AVX-512 builds fuse float x's products in int4_linear only")
+    gen = torch.Generator().manual_seed(40 + m)
+    qweight, scales = random_int4(11, 288, gen)
+    bias = torch.randn(11, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m, 288, generator=gen).to(dtype)
+        got = cpu.int4_linear(x, qweight, scales, bias)
+        want = cpu.gguf_int4f_linear(x, qweight, scales.float(), bias)
+        assert torch.equal(got, want)
 
 
 @needs_kernels

@@ -16,11 +16,13 @@
 // of kPanelRows weight rows once into a float buffer (in cache) and run the same products over all
 // of them, so a prompt does not pay the dequantization M times, and its rows get decode's bits.
 //
-// With AVX-512 the products are fused multiply-adds; elsewhere (e.g. AVX2) the same loops in GCC's
-// 16-lane vectors multiply and add apart: the two builds agree with the reference, not bit for bit.
+// With AVX-512 the products are fused multiply-adds; elsewhere (AVX2 in intrinsics, int4_vec.h;
+// other targets in GCC's 16-lane vectors) float x's products are multiplied and added apart, and
+// bf16 x's, exact, fused or not alike: AVX2 and generic builds give the same bits, AVX-512 builds
+// agree with them (and the reference) to rounding, not bit for bit.
 
 #include "ops.h"
-#include "simd.h"
+#include "int4_vec.h"
 
 namespace tandem {
 namespace {
@@ -29,80 +31,17 @@ constexpr int64_t kGroup = 32;        // weights per (d, m) pair along K
 constexpr int64_t kGroupBytes = 16;   // two nibbles a byte
 constexpr int64_t kRegisterRows = 4;  // up to this many rows: dequantize in registers
 constexpr int64_t kPanelRows = 16;    // weight rows dequantized together for more rows of x
-constexpr int64_t kTileCols = 4;      // weight rows per tile
+constexpr int64_t kTileCols = 4;      // weight rows per tile (decode's unit of work)
+#if defined(TANDEM_INT4_AVX2)
+// 16 ymm registers: tiles of at most 8 accumulators (MT x NT x 2 halves): 2 weight rows for up to
+// 2 rows of x, else 1; and x's rows two at a time over a panel, so its tiles are 2 x 2.
+constexpr bool kNarrowTiles = true;
+constexpr int64_t kPanelTileRows = 2;
+#else
+constexpr bool kNarrowTiles = false;
+constexpr int64_t kPanelTileRows = kRegisterRows;
+#endif
 constexpr int64_t kPrefetchTiles = 1; // tiles of packed rows asked for ahead (decode)
-
-using vu8x16 = uint8_t __attribute__((vector_size(16)));
-
-// 16 floats: an AVX-512 register where the target has one (intrinsics: GCC keeps __m512
-// accumulators in registers, where with its generic vectors it stored each after every update),
-// else GCC's 16-lane vectors (two AVX2 registers), multiplied and added apart.
-#if defined(__AVX512F__)
-using v16 = __m512;
-inline v16 zero16() { return _mm512_setzero_ps(); }
-inline v16 fma16(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
-inline v16 load_x16(const float* p) { return _mm512_loadu_ps(p); }
-inline v16 load_x16(const c10::BFloat16* p) {  // bf16 -> float is exact: the bits, 16 places up
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline void store_x16(float* p, v16 v) { _mm512_storeu_ps(p, v); }
-inline float hsum16(v16 v) { return _mm512_reduce_add_ps(v); }
-#else
-using v16 = vf16;
-inline v16 zero16() { return vf16{}; }
-inline v16 fma16(v16 a, v16 b, v16 c) { return a * b + c; }
-template <typename T>
-inline v16 load_x16(const T* p) { return load16f(p); }
-inline void store_x16(float* p, v16 v) { store16(p, v); }
-inline float hsum16(v16 v) {
-  float s[16];
-  std::memcpy(s, &v, sizeof s);
-  float t[8];
-  for (int i = 0; i < 8; ++i) t[i] = s[i] + s[i + 8];
-  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
-}
-#endif
-
-inline float half_bits_to_float(uint16_t bits) {
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-// One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32).
-inline void dequant_group(const uint8_t* q, const uint16_t* dm, v16& lo, v16& hi) {
-#if defined(__AVX512F__)
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  uint32_t pair;
-  std::memcpy(&pair, dm, sizeof pair);
-  const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
-  const __m512 d = _mm512_broadcastss_ps(dm4), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm4));
-  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d, m);
-  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
-#else
-  vu8x16 bytes;
-  std::memcpy(&bytes, q, sizeof bytes);
-  const vi16 wide = __builtin_convertvector(bytes, vi16);
-  const float df = half_bits_to_float(dm[0]), mf = half_bits_to_float(dm[1]);
-  const vf16 d = vf16{} + df, m = vf16{} + mf;
-  lo = __builtin_convertvector(wide & 15, vf16) * d + m;
-  hi = __builtin_convertvector(wide >> 4, vf16) * d + m;
-#endif
-}
-
-// v's floats rounded to bf16 (to nearest even; the weights are finite), as floats.
-inline v16 round_bf16(v16 v) {
-#if defined(__AVX512F__)
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-#else
-  return round16<c10::BFloat16>(v);
-#endif
-}
 
 #if defined(__AVX512BF16__)
 // bf16 activations take vdpbf16ps: each lane adds the exact products of a pair of neighbouring
@@ -120,6 +59,7 @@ struct PackedWeights {
   const uint8_t* q;    // [N, K / 2]
   const uint16_t* dm;  // [N, G, 2] fp16 bits
   int64_t groups;
+  static constexpr bool kRoundInTile = true;  // bf16 x: the tile rounds the weights
   void group(int64_t n, int64_t g, v16& lo, v16& hi) const {
     dequant_group(q + (n * groups + g) * kGroupBytes, dm + (n * groups + g) * 2, lo, hi);
   }
@@ -132,10 +72,12 @@ struct PackedWeights {
 #endif
 };
 
-// A panel of rows already dequantized: row n (counted from the panel's first, n_first) at w[n * K].
+// A panel of rows already dequantized (and with bf16 x, rounded to bf16 once, on the way in): row n
+// (counted from the panel's first, n_first) at w[n * K].
 struct FloatPanel {
   const float* w;
   int64_t n_first, k_size;
+  static constexpr bool kRoundInTile = false;
   void group(int64_t n, int64_t g, v16& lo, v16& hi) const {
     lo = load_x16(w + (n - n_first) * k_size + g * kGroup);
     hi = load_x16(w + (n - n_first) * k_size + g * kGroup + 16);
@@ -191,7 +133,7 @@ __attribute__((noinline)) void int4_tile(T* out, int64_t n_size, const T* x, int
     v16 lo[NT], hi[NT];
     for (int j = 0; j < NT; ++j) {
       w.group(n0 + j, g, lo[j], hi[j]);
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // bf16 x: the weights in bf16 too (exact products)
+      if constexpr (std::is_same_v<T, c10::BFloat16> && W::kRoundInTile) {  // bf16 x: bf16 weights
         lo[j] = round_bf16(lo[j]);
         hi[j] = round_bf16(hi[j]);
       }
@@ -199,7 +141,12 @@ __attribute__((noinline)) void int4_tile(T* out, int64_t n_size, const T* x, int
     for (int i = 0; i < MT; ++i) {
       const T* xr = x + (m0 + i) * x_stride + g * kGroup;
       const v16 xlo = load_x16(xr), xhi = load_x16(xr + 16);
-      for (int j = 0; j < NT; ++j) acc[i][j] = fma16(hi[j], xhi, fma16(lo[j], xlo, acc[i][j]));
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>)  // bf16 x bf16 products are exact
+          acc[i][j] = fma16_exact(hi[j], xhi, fma16_exact(lo[j], xlo, acc[i][j]));
+        else
+          acc[i][j] = fma16(hi[j], xhi, fma16(lo[j], xlo, acc[i][j]));
+      }
     }
   }
   for (int i = 0; i < MT; ++i)
@@ -231,13 +178,17 @@ inline void int4_rows(T* out, int64_t n_size, const T* x, int64_t x_stride, cons
   }
 }
 
-// Weight rows [n0, n1) against rows [m0, m0 + mt): tiles of kTileCols, then single rows.
+// Weight rows [n0, n1) against rows [m0, m0 + mt): tiles (kTileCols wide; narrower on AVX2), then single rows.
 template <typename T, typename W>
 inline void int4_columns(T* out, int64_t n_size, const T* x, int64_t x_stride, const W& w, int64_t groups,
                          const float* bias, int64_t m0, int64_t mt, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + kTileCols <= n1; n += kTileCols)
-    int4_rows<kTileCols>(out, n_size, x, x_stride, w, groups, bias, m0, mt, n);
+  if constexpr (!kNarrowTiles) {
+    for (; n + kTileCols <= n1; n += kTileCols)
+      int4_rows<kTileCols>(out, n_size, x, x_stride, w, groups, bias, m0, mt, n);
+  } else if (mt <= 2) {
+    for (; n + 2 <= n1; n += 2) int4_rows<2>(out, n_size, x, x_stride, w, groups, bias, m0, mt, n);
+  }
   for (; n < n1; ++n) int4_rows<1>(out, n_size, x, x_stride, w, groups, bias, m0, mt, n);
 }
 
@@ -287,12 +238,16 @@ void int4_linear_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int6
         for (int64_t g = 0; g < groups; ++g) {
           v16 lo, hi;
           w.group(n, g, lo, hi);
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {  // rounded once here, not in every tile
+            lo = round_bf16(lo);
+            hi = round_bf16(hi);
+          }
           store_x16(buf.data() + (n - n0) * k_size + g * kGroup, lo);
           store_x16(buf.data() + (n - n0) * k_size + g * kGroup + 16, hi);
         }
       const FloatPanel panel{buf.data(), n0, k_size};
-      for (int64_t m0 = 0; m0 < m_size; m0 += kRegisterRows)
-        int4_columns(out, n_size, x, x_stride, panel, groups, bias, m0, std::min(kRegisterRows, m_size - m0), n0, n1);
+      for (int64_t m0 = 0; m0 < m_size; m0 += kPanelTileRows)
+        int4_columns(out, n_size, x, x_stride, panel, groups, bias, m0, std::min(kPanelTileRows, m_size - m0), n0, n1);
     }
   });
 }

@@ -1,0 +1,54 @@
+"""The two 4-bit CPU kernels on one layer: int4_linear (fp16 d, m per 32-wide group) against
+gguf_int4f_linear (the same nibbles, fp32 d, m) and F.linear on the bf16 weights, bf16 x.
+
+    python bench/int4_kernels.py [--n 4096] [--k 2048] [--rows 1,4,32] [--repeats 20]
+
+Prints the best time of ``--repeats`` calls after 3 warm-up calls, per kernel and row count."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tandem_kernels.cpu as cpu
+from backend.models.int4_weights import quantize_int4
+
+
+def best_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=2048)
+    parser.add_argument("--rows", default="1,4,32")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    if not cpu.available():
+        raise SystemExit(f"the fused CPU kernels are not available: {cpu.unavailable_reason()}")
+    torch.manual_seed(0)
+    weight = torch.randn(args.n, args.k) * 0.02  # [N, K]
+    qweight, scales16 = quantize_int4(weight)  # [N, K / 2] uint8, [N, K / 32, 2] fp16
+    scales32, weight_bf16 = scales16.float(), weight.bfloat16()
+    print(f"{cpu.loaded_library()[1].name} build, N={args.n} K={args.k}, bf16 x, best of {args.repeats} (ms)")
+    for m in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(m, args.k).bfloat16()  # [M, K]
+        row = {"F.linear bf16": best_ms(lambda: F.linear(x, weight_bf16), args.repeats),
+               "int4 (fp16 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales16, None), args.repeats),
+               "int4f (fp32 d,m)": best_ms(lambda: cpu.gguf_int4f_linear(x, qweight, scales32, None), args.repeats)}
+        print(f"M={m}: " + "  ".join(f"{name} {ms:.2f}" for name, ms in row.items()))
+
+
+if __name__ == "__main__":
+    main()
