@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import bisect
 
-from prometheus_client.utils import floatToGoString
-
 # Bucket upper bounds in tokens (vLLM's iteration_tokens_total uses powers of two up to its budget).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -33,7 +31,9 @@ class TokenHistogram:
         after it (it may include a step the counts do not)."""
         counts, total = list(self.counts), 0
         buckets = []
-        for bound, count in zip((*(floatToGoString(b) for b in self.bounds), "+Inf"), counts):
+        # Bounds as Prometheus writes them ("16.0"); the engine core does not import prometheus_client,
+        # which a GPU machine running bench/gpu_check.py may lack.
+        for bound, count in zip((*(repr(float(b)) for b in self.bounds), "+Inf"), counts):
             total += count
             buckets.append((bound, total))
         return buckets, self.sum
