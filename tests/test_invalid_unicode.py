@@ -47,6 +47,9 @@ SHARED = [
     ("structured_outputs", {"json": '{"type": "' + BAD + '"}'}),
     ("structured_outputs", {"regex": BAD}), ("structured_outputs", {"choice": ["a", BAD]}),
     ("structured_outputs", {"grammar": BAD}),
+    ("guided_json", {"type": "string", "enum": [BAD]}), ("guided_json", '{"type": "' + BAD + '"}'),
+    ("guided_regex", BAD), ("guided_choice", ["a", BAD]), ("guided_grammar", BAD),
+    ("guided_decoding_backend", BAD), ("guided_whitespace_pattern", BAD),
 ]
 CASES = [(route, field, value) for route in (C, CHAT) for field, value in SHARED] + [
     (C, "prompt", BAD), (C, "prompt", BAD_LOW), (C, "prompt", ["fine", BAD]), (C, "suffix", BAD),
