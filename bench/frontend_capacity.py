@@ -105,6 +105,7 @@ class RunResult:
     stand_in_cpu_s: float
     frontend_sys_s: float = 0.0  # the kernel's share of frontend_cpu_s (stime: socket writes, epoll)
     itl_ms: list = field(default_factory=list, repr=False)
+    balancer_cpu_s: Optional[float] = None  # a load balancer's, when the clients went through one
 
     def row(self) -> dict:
         itl = sorted(self.itl_ms)
@@ -119,6 +120,8 @@ class RunResult:
             "requests_per_s": round(self.requests / self.wall_s, 1),
             "itl_p50_ms": round(_percentile(itl, 0.5), 3) if itl else None,
             "itl_p99_ms": round(_percentile(itl, 0.99), 3) if itl else None,
+            **({} if self.balancer_cpu_s is None else
+               {"balancer_us_per_token": round(1e6 * self.balancer_cpu_s / max(self.tokens, 1), 1)}),
         }
 
 
@@ -129,6 +132,12 @@ def _percentile(ordered: list, q: float) -> float:
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (every thread), from /proc/<pid>/stat."""
     return sum(cpu_split(pid))
+
+
+def cpu_split_all(pids: list[int]) -> tuple[float, float]:
+    """(utime, stime) summed over processes."""
+    splits = [cpu_split(pid) for pid in pids]
+    return sum(u for u, _ in splits), sum(s for _, s in splits)
 
 
 def cpu_split(pid: int) -> tuple[float, float]:
@@ -228,8 +237,10 @@ async def _one_request(session, url: str, body: dict, stream: bool, itl_ms: list
 
 
 async def drive(base_url: str, model: str, workload: Workload, concurrency: int, num_requests: int,
-                max_tokens: int, frontend_pid: int, stand_in_pid: int) -> RunResult:
-    """``num_requests`` requests of ``workload`` from ``concurrency`` clients; the frontend's CPU over them."""
+                max_tokens: int, frontend_pid, stand_in_pid: int, balancer_pids: list[int] = ()) -> RunResult:
+    """``num_requests`` requests of ``workload`` from ``concurrency`` clients; the frontend's CPU over
+    them (``frontend_pid``: one, or a list whose CPU is summed), and the balancer's if given."""
+    frontend_pids = frontend_pid if isinstance(frontend_pid, list) else [frontend_pid]
     import aiohttp
 
     url = base_url + workload.path
@@ -250,15 +261,18 @@ async def drive(base_url: str, model: str, workload: Workload, concurrency: int,
         # Warm-up: a connection per client, and the frontend's first-request costs, outside the count.
         await asyncio.gather(*(_one_request(session, url, {**body, "max_tokens": 2}, workload.stream, [])
                                for _ in range(concurrency)))
-        frontend_before, stand_in_before = cpu_split(frontend_pid), cpu_seconds(stand_in_pid)
+        frontend_before, stand_in_before = cpu_split_all(frontend_pids), cpu_seconds(stand_in_pid)
+        balancer_before = sum(cpu_split_all(list(balancer_pids)))
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - start
-        frontend_after = cpu_split(frontend_pid)
+        frontend_after = cpu_split_all(frontend_pids)
         stand_in_cpu = cpu_seconds(stand_in_pid) - stand_in_before
+        balancer_cpu = sum(cpu_split_all(list(balancer_pids))) - balancer_before if balancer_pids else None
     frontend_cpu = sum(frontend_after) - sum(frontend_before)
     return RunResult(workload.name, concurrency, num_requests, tokens, wall, frontend_cpu, stand_in_cpu,
-                     frontend_sys_s=frontend_after[1] - frontend_before[1], itl_ms=itl_ms)
+                     frontend_sys_s=frontend_after[1] - frontend_before[1], itl_ms=itl_ms,
+                     balancer_cpu_s=balancer_cpu)
 
 
 def requests_for(workload: Workload, concurrency: int, tokens_per_run: int, max_tokens: int) -> int:

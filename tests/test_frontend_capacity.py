@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,29 @@ def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_p
     assert set(parts) == ({("app", w, c) for w in workloads if "stream" in w for c in (2, 4)}
                           | {("grpc", rpc, c) for rpc in ("Generate", "GenerateStream") for c in (2, 4)})
     assert all(part["us_per_token"] > 0 for part in parts.values())
+
+
+def test_the_fleet_bench_proxies_as_compose_does():
+    """bench/frontend_fleet.py's nginx takes compose's proxy settings, all but where to proxy."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from frontend_fleet import compose_proxy_settings
+
+    settings = compose_proxy_settings()
+    assert "proxy_buffering off;" in settings and "proxy_http_version 1.1;" in settings
+    assert not any(line.startswith(("proxy_pass", "set ")) for line in settings)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed (apt-get install nginx)")
+def test_the_fleet_bench_runs_every_layout(tokenizer_dir, tmp_path):
+    out = tmp_path / "fleet.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "frontend_fleet.py"), "--tokenizer", str(tokenizer_dir),
+         "--frontends", "2", "--concurrency", "4", "--max-tokens", "8", "--tokens-per-run", "128",
+         "--repeats", "1", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["layout"] for row in rows] == ["direct", "lb-1", "lb-2"]
+    for row in rows:
+        assert row["tokens"] == row["requests"] * 8 and row["frontend_us_per_token"] > 0, row
+        assert ("balancer_us_per_token" in row) == (row["layout"] != "direct"), row
