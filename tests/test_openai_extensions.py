@@ -212,6 +212,24 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, engine, tokenizer)
     assert engine.requests[-1][1] == tokenizer.encode(prompt)[-3:]
 
 
+def test_truncation_side_picks_the_end_truncate_prompt_tokens_keeps(client, engine, tokenizer):
+    """vLLM's truncation_side: "left" (the default) drops the first tokens, "right" the last."""
+    prompt = "The capital of France is Paris."
+    ids = tokenizer.encode(prompt)
+    for side, kept in (("left", ids[-3:]), ("right", ids[:3]), (None, ids[-3:])):
+        assert completion(client, prompt=prompt, truncate_prompt_tokens=3, truncation_side=side).status_code == 200
+        assert engine.requests[-1][1] == kept, side
+    assert completion(client, prompt=prompt, truncation_side="right").status_code == 200  # nothing to cut
+    assert engine.requests[-1][1] == ids
+    rendered = client.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert chat(client, truncate_prompt_tokens=4, truncation_side="right").status_code == 200
+    assert engine.requests[-1][1] == rendered[:4]
+    assert chat(client, truncate_prompt_tokens=4, truncation_side="left").status_code == 200
+    assert engine.requests[-1][1] == rendered[-4:]
+    assert_openai_error(completion(client, truncate_prompt_tokens=3, truncation_side="middle"), 400,
+                        "BadRequestError", "truncation_side")
+
+
 def test_continuous_usage_stats_put_usage_in_every_chunk(client):
     events = sse_events(completion(client, stream=True, stream_options={"continuous_usage_stats": True}))
     usages = [event["usage"] for event in events[:-1]]

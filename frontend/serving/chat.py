@@ -59,7 +59,8 @@ class OpenAIServingChat(OpenAIServing):
             messages, request.add_generation_prompt, request.chat_template, request.continue_final_message,
             {**(request.chat_template_kwargs or {}), "tools": request.tools if supports_tools else None},
             add_special_tokens=bool(request.add_special_tokens))
-        prompt = self.renderer.truncate(Prompt(text, token_ids), request.truncate_prompt_tokens)
+        prompt = self.renderer.truncate(Prompt(text, token_ids), request.truncate_prompt_tokens,
+                                        request.truncation_side)
         # vLLM: max_completion_tokens wins; neither given means all the room left.
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = max_tokens_for(requested, len(prompt.token_ids), default=None, prompt_param="messages",

@@ -34,7 +34,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                       param="max_tokens")
         prompts = await self.renderer.completion_prompts(request.prompt, request.best_of or request.n,
                                                          request.add_special_tokens is not False)
-        prompts = [self.renderer.truncate(prompt, request.truncate_prompt_tokens) for prompt in prompts]
+        prompts = [self.renderer.truncate(prompt, request.truncate_prompt_tokens, request.truncation_side)
+                   for prompt in prompts]
         # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
         explicit = "max_tokens" in request.model_fields_set
         if request.logprobs is not None and request.logprobs < 0:  # vLLM takes -1 in prompt_logprobs only
