@@ -117,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
         num_top = _num_top(request, run)
         frames = ChunkFrames({"id": base_id, "object": "chat.completion.chunk", "created": created,
-                              "model": self.model_name}, '"usage":null,"prompt_token_ids":null')
+                              "model": self.model_name}, "")  # no usage, no prompt_token_ids: left out
 
         def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None,
                   prompt_token_ids: Optional[list[int]] = None) -> str:
@@ -183,8 +183,12 @@ def _num_top(request: P.ChatCompletionRequest, run: EngineRun) -> int:
 
 def _choice_json(index: int, content: str, logprobs_json: str, finish_reason: Optional[str],
                  stop_reason: Union[int, str, None], token_ids: Optional[list[int]]) -> str:
-    """A ``P.ChatCompletionStreamChoice`` whose delta holds only content (or nothing), as JSON."""
+    """A ``P.ChatCompletionStreamChoice`` whose delta holds only content (or nothing), as JSON: its
+    unset keys left out as the model leaves them out (stop_reason before the finish, token_ids)."""
     delta = f'{{"content":{json_text(content)}}}' if content else "{}"  # the model leaves out an empty one
-    return (f'{{"index":{index},"delta":{delta},"logprobs":{logprobs_json},'
-            f'"finish_reason":{json_or_null(finish_reason)},"stop_reason":{json_or_null(stop_reason)},'
-            f'"token_ids":{json_or_null(token_ids)}}}')
+    text = f'{{"index":{index},"delta":{delta},"logprobs":{logprobs_json},"finish_reason":{json_or_null(finish_reason)}'
+    if finish_reason is not None or stop_reason is not None:
+        text += f',"stop_reason":{json_or_null(stop_reason)}'
+    if token_ids is not None:
+        text += f',"token_ids":{json_text(token_ids)}'
+    return text + "}"

@@ -142,14 +142,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield frames.frame(
                     f'{{"index":{choice},"text":{json_text(text)},"logprobs":{logprobs_json},'
                     f'"finish_reason":{json_or_null(finish_reason)},"stop_reason":{json_or_null(stop_reason)},'
-                    f'"token_ids":{json_or_null(chunk_token_ids)},"prompt_logprobs":null,"prompt_token_ids":null}}')
+                    f'"token_ids":{json_or_null(chunk_token_ids)},"prompt_token_ids":null}}')
                 continue
             logprobs = None
             if wants_logprobs:
                 logprobs = completion_logprobs(self.tokenizer, token_ids, positions, offset, as_ids)
             yield sse_event(P.CompletionStreamResponse(
                 id=base_id, created=created, model=self.model_name,
-                choices=[P.CompletionResponseChoice(
+                choices=[P.CompletionStreamChoice(
                     index=choice, text=text, logprobs=logprobs, finish_reason=finish_reason,
                     stop_reason=stop_reason, token_ids=chunk_token_ids,
                     prompt_token_ids=run.prompt.token_ids if request.return_token_ids and first_of_choice else None,
