@@ -5,6 +5,7 @@ Written from vLLM's documented behaviour; the live-client acceptance tests are i
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -268,6 +269,33 @@ def test_model_by_id_tokenizer_info_load_and_tokens_as_strings(client, tokenizer
     assert client.get("/load").json() == {"server_load": 0}
     body = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+
+
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+                 "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tokenize_with_tools_renders_exactly_what_the_template_renders(client, engine, tokenizer):
+    """vLLM's /tokenize: tools go to the template, and nothing else is added. The tool prompt a
+    template without tool support gets (the tiny tokenizer's) belongs to generation only."""
+    def rendered(template_tokenizer, tools):
+        text = template_tokenizer.apply_chat_template(CHAT, tools=tools, add_generation_prompt=True, tokenize=False)
+        return template_tokenizer.encode(text, add_special_tokens=False)
+
+    tokens = client.post("/tokenize", json={"messages": CHAT, "tools": [WEATHER]}).json()["tokens"]
+    assert tokens == rendered(tokenizer, [WEATHER]) == rendered(tokenizer, None)
+    assert chat(client, tools=[WEATHER]).status_code == 200  # generation adds the fallback tool prompt
+    assert len(engine.requests[-1][1]) > len(tokens)
+    tool_tokenizer = copy.deepcopy(tokenizer)
+    tool_tokenizer.chat_template = TOOL_TEMPLATE
+    with TestClient(create_app(engine, tool_tokenizer, ModelInfo(MODEL, 2048, TINY_VOCAB, [engine.eos]))) as tools_client:
+        tokens = tools_client.post("/tokenize", json={"messages": CHAT, "tools": [WEATHER]}).json()["tokens"]
+        assert tokens == rendered(tool_tokenizer, [WEATHER]) != rendered(tool_tokenizer, None)
+        assert "get_weather" in tool_tokenizer.decode(tokens)
+        assert tools_client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER],
+                                                               "max_tokens": 2}).status_code == 200
+        assert engine.requests[-1][1] == tokens  # a template with tool support: the same prompt
 
 
 def test_invocations_dispatches_by_body(client):
