@@ -17,10 +17,13 @@ soon as its last one ended, for each workload and each C. Per run it reports:
 - p50/p99 inter-token latency: the gaps between consecutive SSE events of
   one stream as the client receives them (streaming workloads only).
 
-``--parts`` then splits a streamed token's CPU (``measure_parts``): the app's own code through
+``--parts`` then splits a streamed token's CPU (``frontend_parts.measure_parts``): the app's own code through
 ASGI on an in-process stand-in engine, and the gRPC client alone (on Generate, one message per
 token, and on GenerateStream, one message per step of every request); the rest of the process's
 figure is the HTTP server and the sockets. ``--frontend-arg`` passes a flag to the frontend.
+``--stream-intervals 1,8`` runs everything once per value with the stand-in sending that many tokens
+per response after a sequence's first, as the backend's ``--stream-interval`` does (column ``int``;
+the inter-token latencies are then the gaps between events of several tokens).
 
 Workloads: completions and chat, streamed and not, with and without logprobs
 (one top alternative), each ``max_tokens`` long with ``ignore_eos``; and
@@ -145,11 +148,13 @@ def free_port() -> int:
 
 
 def start_stand_in(tokenizer_dir: str, step_ms: float = 0.0, timeout: float = 60.0,
-                   generate_stream: bool = True) -> tuple[subprocess.Popen, int]:
+                   generate_stream: bool = True, stream_interval: int = 1) -> tuple[subprocess.Popen, int]:
     """The stand-in backend in a process of its own; returns it and its gRPC port. Without
-    ``generate_stream`` it refuses GenerateStream, so a frontend sends one Generate per request."""
+    ``generate_stream`` it refuses GenerateStream, so a frontend sends one Generate per request;
+    ``stream_interval``: tokens per response after a sequence's first (the backend's flag)."""
     proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "stand_in_backend.py"),
                              "--tokenizer", tokenizer_dir, "--step-ms", str(step_ms),
+                             "--stream-interval", str(stream_interval),
                              *([] if generate_stream else ["--no-generate-stream"])],
                             stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     deadline = time.monotonic() + timeout
@@ -273,10 +278,12 @@ def tiny_tokenizer(directory: Path) -> str:
 
 def run_bench(tokenizer_dir: str, workloads: list[Workload], concurrencies: list[int], max_tokens: int,
               tokens_per_run: int, frontend_args: list[str] = (), step_ms: float = 0.0,
-              report=print, rpc: str = "GenerateStream") -> list[dict]:
+              report=print, rpc: str = "GenerateStream", stream_interval: int = 1) -> list[dict]:
     """Start the stand-in and a frontend, run every (workload, concurrency), stop both; the rows.
-    ``rpc``: what the frontend streams with (``Generate``: the stand-in refuses GenerateStream)."""
-    stand_in, backend_port = start_stand_in(tokenizer_dir, step_ms, generate_stream=rpc == "GenerateStream")
+    ``rpc``: what the frontend streams with (``Generate``: the stand-in refuses GenerateStream);
+    ``stream_interval``: the stand-in's tokens per response after a sequence's first."""
+    stand_in, backend_port = start_stand_in(tokenizer_dir, step_ms, generate_stream=rpc == "GenerateStream",
+                                            stream_interval=stream_interval)
     frontend = None
     rows = []
     try:
@@ -286,7 +293,7 @@ def run_bench(tokenizer_dir: str, workloads: list[Workload], concurrencies: list
                 num_requests = requests_for(workload, concurrency, tokens_per_run, max_tokens)
                 result = asyncio.run(drive(url, "stand-in", workload, concurrency, num_requests, max_tokens,
                                            frontend.pid, stand_in.pid))
-                rows.append({"rpc": rpc, **result.row()})
+                rows.append({"rpc": rpc, "stream_interval": stream_interval, **result.row()})
                 report(format_row(rows[-1]))
     finally:
         if frontend is not None:
@@ -295,125 +302,7 @@ def run_bench(tokenizer_dir: str, workloads: list[Workload], concurrencies: list
     return rows
 
 
-# ---- the parts: the frontend's own code, and the wire, each alone --------------------------------
-
-
-async def _asgi_request(app, path: str, body: bytes) -> int:
-    """One request straight into the ASGI app (no socket, no HTTP server); returns the bytes it sent."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "state": {},
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-    done = asyncio.Event()
-    delivered = False
-    sent = 0
-
-    async def receive():
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        nonlocal sent
-        sent += len(message.get("body", b""))
-
-    await app(scope, receive, send)
-    done.set()
-    return sent
-
-
-async def _concurrently(concurrency: int, num_requests: int, one) -> float:
-    """``num_requests`` calls of ``one()`` from ``concurrency`` loops; the CPU seconds they took."""
-    remaining = num_requests
-
-    async def loop() -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            await one()
-
-    await asyncio.gather(*(one() for _ in range(concurrency)))  # warm-up
-    before = time.process_time()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    return time.process_time() - before
-
-
-def measure_parts(tokenizer_dir: str, workloads: list[Workload], concurrencies: list[int], max_tokens: int,
-                  tokens_per_run: int, report=print) -> list[dict]:
-    """Where a streamed token's CPU goes, part by part, in this process:
-
-    - ``app``: the frontend's app (middleware, endpoint, detokenization, SSE chunks) called
-      directly through ASGI on an in-process stand-in engine: no socket, no HTTP server, no gRPC;
-    - ``grpc``: the frontend's gRPC client alone (``GrpcEngineClient.generate``) reading the
-      stand-in backend's streams, nothing done with them: with Generate (one message per token
-      per request) and with GenerateStream (the default: one message per step of every request).
-
-    The whole frontend process's figure minus these two is the HTTP server and sockets."""
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    sys.path.insert(0, str(REPO_ROOT))
-    from stand_in_backend import StandInEngineClient, StandInServicer
-
-    from backend.types.sampling_params import SamplingParams
-    from frontend.app import create_app
-    from frontend.grpc_client import GrpcEngineClient
-    from frontend.tokenizer import load_tokenizer
-
-    servicer = StandInServicer(tokenizer_dir)
-    engine = StandInEngineClient(servicer)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    rows = []
-    for workload in workloads:
-        if not workload.stream:
-            continue
-        body = json.dumps(workload.body("stand-in", max_tokens)).encode()
-        for concurrency in concurrencies:
-            num_requests = requests_for(workload, concurrency, tokens_per_run, max_tokens)
-
-            async def run_app() -> float:
-                app = create_app(engine, tokenizer, await engine.model_info())
-                try:
-                    return await _concurrently(concurrency, num_requests,
-                                               lambda: _asgi_request(app, workload.path, body))
-                finally:
-                    app.state.serving.close()
-
-            cpu = asyncio.run(run_app())
-            rows.append({"part": "app", "workload": workload.name, "concurrency": concurrency,
-                         "us_per_token": round(1e6 * cpu / (num_requests * max_tokens), 1)})
-            report(f"{'app (in-process ASGI)':<24} {workload.name:<28} {concurrency:>4} {rows[-1]['us_per_token']:>8.1f}")
-    stand_in, port = start_stand_in(tokenizer_dir)
-    try:
-        for rpc, multiplexed in (("Generate", False), ("GenerateStream", True)):
-            for concurrency in concurrencies:
-                num_requests = max(concurrency, tokens_per_run // max_tokens)
-                params = SamplingParams(max_tokens=max_tokens)
-                counter = iter(range(1 << 30))
-
-                async def run_grpc() -> float:
-                    client = GrpcEngineClient(f"127.0.0.1:{port}", multiplexed=multiplexed)
-
-                    async def one() -> None:
-                        async for _ in client.generate(f"r{next(counter)}", [1, 2, 3], params):
-                            pass
-
-                    try:
-                        return await _concurrently(concurrency, num_requests, one)
-                    finally:
-                        await client.close()
-
-                cpu = asyncio.run(run_grpc())
-                rows.append({"part": "grpc", "workload": rpc, "concurrency": concurrency,
-                             "us_per_token": round(1e6 * cpu / (num_requests * max_tokens), 1)})
-                report(f"{'grpc client alone':<24} {rpc:<28} {concurrency:>4} {rows[-1]['us_per_token']:>8.1f}")
-    finally:
-        stop(stand_in)
-    return rows
-
-
-HEADER = (f"{'rpc':<15} {'workload':<28} {'C':>4} {'reqs':>5} {'tokens':>7} {'fe µs/tok':>9} {'(sys)':>6} {'fe µs/req':>9} "
+HEADER = (f"{'rpc':<15} {'int':>3} {'workload':<28} {'C':>4} {'reqs':>5} {'tokens':>7} {'fe µs/tok':>9} {'(sys)':>6} {'fe µs/req':>9} "
           f"{'si µs/tok':>9} {'tok/s':>8} {'req/s':>7} {'itl p50':>8} {'itl p99':>8}")
 
 
@@ -421,7 +310,7 @@ def format_row(row: dict) -> str:
     def ms(value):
         return f"{value:8.2f}" if value is not None else f"{'-':>8}"
 
-    return (f"{row['rpc']:<15} {row['workload']:<28} {row['concurrency']:>4} {row['requests']:>5} {row['tokens']:>7} "
+    return (f"{row['rpc']:<15} {row.get('stream_interval', 1):>3} {row['workload']:<28} {row['concurrency']:>4} {row['requests']:>5} {row['tokens']:>7} "
             f"{row['frontend_us_per_token']:>9.1f} {row['frontend_sys_us_per_token']:>6.1f} "
             f"{row['frontend_us_per_request']:>9.0f} "
             f"{row['stand_in_us_per_token']:>9.1f} {row['tokens_per_s']:>8.0f} {row['requests_per_s']:>7.1f} "
@@ -441,6 +330,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rpcs", default="GenerateStream",
                         help="comma-separated: GenerateStream (one message per step of every request) and/or "
                              "Generate (the stand-in refuses GenerateStream: one message per token per request)")
+    parser.add_argument("--stream-intervals", default="1",
+                        help="comma-separated: the stand-in's tokens per response after a sequence's first, as "
+                             "the backend's --stream-interval (each value a run of its own)")
     parser.add_argument("--parts", action="store_true",
                         help="also measure the parts alone, in this process: the app through ASGI on an in-process "
                              "stand-in engine, and the gRPC client reading the stand-in's streams")
@@ -459,10 +351,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         for rpc in args.rpcs.split(","):
             if rpc not in ("GenerateStream", "Generate"):
                 parser.error(f"--rpcs: {rpc!r} is neither GenerateStream nor Generate")
-            rows += run_bench(tokenizer_dir, workloads, concurrencies, args.max_tokens, args.tokens_per_run,
-                              args.frontend_arg, args.step_ms, rpc=rpc)
+            for interval in (int(i) for i in args.stream_intervals.split(",")):
+                rows += run_bench(tokenizer_dir, workloads, concurrencies, args.max_tokens, args.tokens_per_run,
+                                  args.frontend_arg, args.step_ms, rpc=rpc, stream_interval=interval)
         parts = []
         if args.parts:
+            from frontend_parts import measure_parts
+
+
             print(f"{'part':<24} {'workload':<28} {'C':>4} {'µs/tok':>8}")
             parts = measure_parts(tokenizer_dir, workloads, concurrencies, args.max_tokens, args.tokens_per_run)
     if args.json:

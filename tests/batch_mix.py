@@ -32,6 +32,7 @@ from typing import Optional
 from hypothesis import strategies as st
 
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.stream_interval import DeltaCoalescer
 from backend.types.errors import InvalidRequestError, RequestFailedError
 from backend.types.outputs import FinishReason
 from backend.types.pooling import PoolingParams
@@ -97,6 +98,9 @@ class Outcome:
     pooled: dict[int, list[float]] = field(default_factory=dict)  # embeddings (SamplingParams.pooling)
     error: Optional[str] = None  # a RequestFailedError or InvalidRequestError, at add or later
     aborted: bool = False  # by the client (the fuzzer)
+    # With a stream interval: the deltas as a served stream regroups them, and their tokens per index.
+    coalescer: Optional[DeltaCoalescer] = None
+    grouped: dict[int, list[int]] = field(default_factory=dict)
 
 
 _EMBED_SALTS = itertools.count()  # across batches too: the engine (and its prefix cache) outlives a batch
@@ -166,14 +170,19 @@ def request_specs(draw, vocab_size: int, max_model_len: int, max_requests: int =
     return specs
 
 
-def run_batch(engine: LLMEngine, specs: list[RequestSpec], max_steps: int = 3000) -> list[Outcome]:
-    """Run ``specs`` on ``engine`` until it is idle; check every invariant; the outcomes."""
+def run_batch(engine: LLMEngine, specs: list[RequestSpec], max_steps: int = 3000,
+              stream_interval: int = 1) -> list[Outcome]:
+    """Run ``specs`` on ``engine`` until it is idle; check every invariant; the outcomes. With
+    ``stream_interval`` > 1 each request's deltas also go through a served stream's regrouping
+    (``DeltaCoalescer``), whose tokens must be the engine's, sequence by sequence, at each end."""
     outcomes: list[Outcome] = []
     live: dict[str, Outcome] = {}  # client ID -> the request that holds it now
     step = 0
     while step < max_steps:
         for spec in (s for s in specs if s.arrival_step == step):
             outcome = Outcome(spec)
+            if stream_interval > 1:
+                outcome.coalescer = DeltaCoalescer(stream_interval)
             outcomes.append(outcome)
             deadline = time.monotonic() - 1.0 if spec.expired else None
             try:
@@ -204,6 +213,8 @@ def run_batch(engine: LLMEngine, specs: list[RequestSpec], max_steps: int = 3000
                 outcome.pooled[out.index] = out.pooled
             if out.error is not None:
                 outcome.error = out.error
+            if outcome.coalescer is not None:
+                _check_grouped(outcome, outcome.coalescer.push(out), stream_interval)
             if out.finish_reason is not None:
                 outcome.finish[out.index] = out.finish_reason
                 if len(outcome.finish) == outcome.spec.params.n:
@@ -216,6 +227,19 @@ def run_batch(engine: LLMEngine, specs: list[RequestSpec], max_steps: int = 3000
     for outcome in outcomes:
         _check_request(engine, outcome)
     return outcomes
+
+
+def _check_grouped(outcome: Outcome, grouped, interval: int) -> None:
+    """A regrouped delta: held ones carry fewer than ``interval`` tokens; at a sequence's end every
+    token the engine sent has gone out, in order."""
+    if grouped is None:
+        return
+    tokens = outcome.grouped.setdefault(grouped.index, [])
+    if tokens and grouped.new_token_ids and grouped.finish_reason is None and grouped.error is None:
+        assert len(grouped.new_token_ids) >= interval, "a regrouped delta went out short before its end"
+    tokens.extend(grouped.new_token_ids)
+    if grouped.finish_reason is not None or grouped.error is not None:
+        assert tokens == outcome.tokens.get(grouped.index, []), "the regrouped stream lost or reordered tokens"
 
 
 def assert_idle(engine: LLMEngine) -> None:

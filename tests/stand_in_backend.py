@@ -1,7 +1,7 @@
 """A stand-in backend: the real gRPC contract (protos/), no model, token IDs as fast as asked.
 
     python tests/stand_in_backend.py --tokenizer DIR [--port 0] [--model-name NAME] [--step-ms 0]
-                                     [--no-generate-stream]
+                                     [--no-generate-stream] [--stream-interval 1]
 
 It serves every RPC a frontend and its router call (``GenerateStream``, ``Generate``, ``Abort``,
 ``GetModelInfo``, ``GetTokenizer``, ``GetLoad``, ``GetMetrics`` and
@@ -23,7 +23,9 @@ tokens (``finish_reason`` LENGTH). ``step_ms`` > 0 paces the steps (a
 simulated engine step); 0 streams as fast as gRPC's flow control lets it.
 With ``logprobs`` set, each token has logprob -0.25 (rank 1) and the top-k
 alternatives are the next token IDs with -1, -2, ...; ``prompt_logprobs`` come
-in each sequence's first response. ``Abort`` and a cancelled call end the
+in each sequence's first response. ``--stream-interval N`` makes every response
+after a sequence's first carry N tokens (its last, what is left), as the real
+backend's flag does. ``Abort`` and a cancelled call end the
 request's stream with ABORT or at once. Torch-free: it needs only grpc, the
 generated stubs and ``tokenizers``.
 """
@@ -57,7 +59,7 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
     """EngineService without a model (see the module docstring for what it streams)."""
 
     def __init__(self, tokenizer_dir: str, model_name: str = "stand-in", max_model_len: int = 4096,
-                 step_ms: float = 0.0, generate_stream: bool = True) -> None:
+                 step_ms: float = 0.0, generate_stream: bool = True, stream_interval: int = 1) -> None:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
@@ -70,6 +72,7 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
         self.eos_token_ids = [eos] if eos is not None else []
         self.model_name, self.max_model_len, self.step_s = model_name, max_model_len, step_ms / 1000
         self.generate_stream = generate_stream
+        self.stream_interval = stream_interval  # tokens per response after the first, as --stream-interval
         self.running_ids: set[str] = set()
         self.aborted: set[str] = set()  # a subset of running_ids
         self.num_generate_calls = 0
@@ -83,17 +86,23 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.PositionLogprobs(token=engine_pb2.Logprob(token_id=token, logprob=-0.25, rank=1),
                                            top_logprobs=[t for t in top if t.token_id != token])
 
+    def _count(self, step: int, max_tokens: int) -> int:
+        """Tokens in the response that starts at ``step``: the first alone, then the interval's."""
+        return 1 if step == 0 else min(self.stream_interval, max_tokens - step)
+
     def _response(self, request: engine_pb2.GenerateRequest, index: int, step: int,
                   max_tokens: int) -> engine_pb2.GenerateResponse:
-        """Sequence ``index``'s response at ``step`` (0-based) of a request of ``max_tokens``."""
+        """Sequence ``index``'s response starting at token ``step`` (0-based) of a request of
+        ``max_tokens``: ``_count`` tokens."""
         params = request.sampling_params
-        token = self.script[(index + step) % len(self.script)]
+        end = step + self._count(step, max_tokens)
+        tokens = [self.script[(index + s) % len(self.script)] for s in range(step, end)]
         response = engine_pb2.GenerateResponse(
-            index=index, new_token_ids=[token], num_prompt_tokens=len(request.prompt_token_ids),
-            num_completion_tokens=step + 1,
-            finish_reason=engine_pb2.FINISH_REASON_LENGTH if step + 1 == max_tokens else 0)
+            index=index, new_token_ids=tokens, num_prompt_tokens=len(request.prompt_token_ids),
+            num_completion_tokens=end,
+            finish_reason=engine_pb2.FINISH_REASON_LENGTH if end == max_tokens else 0)
         if params.HasField("logprobs"):
-            response.new_logprobs.append(self._position(token, params.logprobs))
+            response.new_logprobs.extend(self._position(token, params.logprobs) for token in tokens)
         if step == 0 and params.HasField("prompt_logprobs"):
             response.prompt_logprobs.positions.extend(
                 self._position(t, params.prompt_logprobs) for t in request.prompt_token_ids[1:])
@@ -110,7 +119,8 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
         self.running_ids.add(request.request_id)
         self.num_generate_calls += 1
         try:
-            for step in range(max_tokens):
+            step = 0
+            while step < max_tokens:
                 for index in range(n):
                     if request.request_id in self.aborted:
                         for rest in range(n):
@@ -119,6 +129,7 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
                                 num_prompt_tokens=len(request.prompt_token_ids)))
                         return
                     await context.write(self._response(request, index, step, max_tokens))
+                step += self._count(step, max_tokens)
                 if self.step_s:
                     await asyncio.sleep(self.step_s)
         finally:
@@ -168,8 +179,8 @@ class StandInServicer(engine_pb2_grpc.EngineServiceServicer):
                         entry.status.message = "The request's deadline passed."
                     else:
                         entry.responses.extend(self._response(request, i, step, max_tokens) for i in range(n))
-                        state[1] = step + 1
-                        if step + 1 < max_tokens:
+                        state[1] = step = step + self._count(step, max_tokens)
+                        if step < max_tokens:
                             continue
                         entry.status.code = grpc.StatusCode.OK.value[0]
                     del running[request_id]
@@ -268,7 +279,7 @@ async def start_server(servicer: StandInServicer, host: str = "127.0.0.1", port:
 
 async def _serve(args: argparse.Namespace) -> None:
     servicer = StandInServicer(args.tokenizer, args.model_name, args.max_model_len, args.step_ms,
-                               generate_stream=not args.no_generate_stream)
+                               generate_stream=not args.no_generate_stream, stream_interval=args.stream_interval)
     server, port = await start_server(servicer, args.host, args.port)
     print(f"READY {port}", flush=True)
     await server.wait_for_termination()
@@ -284,6 +295,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--step-ms", type=float, default=0.0, help="pause between steps (0: as fast as asked)")
     parser.add_argument("--no-generate-stream", action="store_true",
                         help="answer GenerateStream UNIMPLEMENTED, as a backend older than that RPC")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens per response after a sequence's first, as the backend's --stream-interval")
     args = parser.parse_args(argv)
     try:
         asyncio.run(_serve(args))

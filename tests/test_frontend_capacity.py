@@ -76,6 +76,28 @@ def test_the_stand_in_answers_every_call_of_the_frontends_client(tokenizer_dir, 
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("multiplexed", [True, False])
+def test_the_stand_in_groups_tokens_as_the_backends_stream_interval(tokenizer_dir, multiplexed):
+    async def scenario():
+        servicer = StandInServicer(str(tokenizer_dir), stream_interval=3)
+        server, port = await start_server(servicer)
+        client = GrpcEngineClient(f"127.0.0.1:{port}", multiplexed=multiplexed)
+        try:
+            plain = StandInServicer(str(tokenizer_dir))
+            params = SamplingParams(max_tokens=8, logprobs=1)
+            outputs = [o async for o in client.generate("r", [1, 2, 3], params)]
+            assert [len(o.new_token_ids) for o in outputs] == [1, 3, 3, 1]
+            assert [len(o.new_logprobs) for o in outputs] == [1, 3, 3, 1]
+            assert [t for o in outputs for t in o.new_token_ids] == plain.script[:8]
+            assert [o.finish_reason for o in outputs][-1].value == "length"
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.timeout(180)
 def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_path):
     out = tmp_path / "capacity.json"

@@ -15,6 +15,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.types.config import EngineConfig
 from backend.types.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from backend.types.limits import Limits
+from backend.engine.stream_interval import DeltaCoalescer
 from backend.types.outputs import EngineLoad, EngineOutput, ModelInfo
 from backend.types.pooling import PoolingParams
 from backend.types.sampling_params import SamplingParams
@@ -80,6 +81,8 @@ class AsyncLLMEngine:
                                        cache_salt))
         self._ensure_loop()
         remaining = params.n
+        interval = self.engine.config.stream_interval
+        coalescer = DeltaCoalescer(interval) if interval > 1 else None
         try:
             while remaining:
                 item = await queue.get()
@@ -89,6 +92,10 @@ class AsyncLLMEngine:
                     raise RequestFailedError(item.error)
                 if item.finished:
                     remaining -= 1
+                if coalescer is not None:
+                    item = coalescer.push(item)
+                    if item is None:
+                        continue
                 yield item
         finally:
             del self._streams[request_id]

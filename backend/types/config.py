@@ -28,6 +28,7 @@ QUANTIZATIONS = ("int8", "w8a8", "int4", "gguf", "awq", "gptq")  # int8 / int4 w
 # The KV cache's element type: auto = the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn, as vLLM's).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 MAX_GRAMMAR_COMPILE_WORKERS = 64  # each a process holding xgrammar (and torch)
+MAX_STREAM_INTERVAL = 1024  # stream_interval: tokens per streamed delta
 MAX_JSON_WHITESPACE = 4096  # json_max_whitespace: a bound, not a repetition count to blow up the grammar
 
 
@@ -96,6 +97,11 @@ FIELD_HELP = {
                            "until max_tokens; 20 fits a newline and indentation 19 deep, as llama.cpp's JSON "
                            "grammar allows; 0: unbounded. structured_outputs.disable_any_whitespace still "
                            "allows none",
+    "stream_interval": "tokens per streamed delta of a served request: a sequence's first token goes out at "
+                       "once, then its tokens in groups of this many, and its end with whatever is left; "
+                       "larger values cost the backend, the frontend and the client less per token at the "
+                       "price of burstier streams (offline LLM.generate returns whole outputs and is "
+                       "unaffected)",
     "grammar_compile_workers": "worker processes compiling structured-output grammars at once "
                                "(each ~300 MB; two or more, so one slow grammar never holds up another)",
 }
@@ -224,6 +230,8 @@ class EngineConfig:
     # Schedule step N+1 while step N runs (backend/engine/inflight.py). None: on with CUDA and one
     # worker, off on the CPU (see FIELD_HELP).
     async_scheduling: Optional[bool] = None
+    # Tokens per streamed delta after a sequence's first (backend/engine/stream_interval.py).
+    stream_interval: int = 1
 
     # Filled in by backend.models.resolve.resolve_config (which needs the checkpoint and torch).
     model_path: Optional[Path] = field(default=None, repr=False)
@@ -263,6 +271,9 @@ class EngineConfig:
         if not 0 <= self.json_max_whitespace <= MAX_JSON_WHITESPACE:
             bad("json_max_whitespace", f"json_max_whitespace must be between 0 (unbounded) and "
                 f"{MAX_JSON_WHITESPACE}; got {self.json_max_whitespace}.")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            bad("stream_interval", f"stream_interval must be between 1 and {MAX_STREAM_INTERVAL}; "
+                f"got {self.stream_interval}.")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming the key
         if self.quantization not in (None, *QUANTIZATIONS):
