@@ -185,3 +185,20 @@ def test_completion_chunks_carry_vllms_keys_and_prompt_logprobs_only_where_sent(
     assert chunks[0]["choices"][0]["prompt_logprobs"][0] is None and chunks[0]["choices"][0]["prompt_token_ids"]
     assert all("prompt_logprobs" not in chunk["choices"][0] for chunk in chunks[1:])
     assert sum(len(chunk["choices"][0]["token_ids"]) for chunk in chunks) == 4
+
+
+def test_the_openai_sdk_sees_token_ids_as_vllms_test_reads_them(client):
+    """vLLM's return_token_ids test, through the openai SDK: the first chunk has prompt_token_ids,
+    no later one has the key, and every chunk holding token_ids holds a list."""
+    import openai
+
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    stream = sdk.chat.completions.create(model='model "x" é', messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=6, stream=True, extra_body={"return_token_ids": True})
+    chunks = list(stream)
+    assert chunks[0].prompt_token_ids and all("prompt_token_ids" not in c.model_dump() for c in chunks[1:])
+    collected = []
+    for chunk in chunks:
+        if "token_ids" in chunk.choices[0].model_dump():
+            collected.extend(chunk.choices[0].token_ids)
+    assert len(collected) == 6
