@@ -289,7 +289,8 @@ def test_tokenize_with_tools_renders_exactly_what_the_template_renders(client, e
     assert len(engine.requests[-1][1]) > len(tokens)
     tool_tokenizer = copy.deepcopy(tokenizer)
     tool_tokenizer.chat_template = TOOL_TEMPLATE
-    with TestClient(create_app(engine, tool_tokenizer, ModelInfo(MODEL, 2048, TINY_VOCAB, [engine.eos]))) as tools_client:
+    info = ModelInfo(MODEL, 2048, TINY_VOCAB, [engine.eos])
+    with TestClient(create_app(engine, tool_tokenizer, info)) as tools_client:
         tokens = tools_client.post("/tokenize", json={"messages": CHAT, "tools": [WEATHER]}).json()["tokens"]
         assert tokens == rendered(tool_tokenizer, [WEATHER]) != rendered(tool_tokenizer, None)
         assert "get_weather" in tool_tokenizer.decode(tokens)

@@ -32,16 +32,16 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.max_tokens == 0 and not request.echo:
             raise InvalidRequestError("max_tokens must be at least 1 (0 is only for echo, to score the prompt).",
                                       param="max_tokens")
+        if request.logprobs is not None and request.logprobs < 0:  # vLLM takes -1 in prompt_logprobs only
+            raise InvalidRequestError(f"logprobs must be non-negative, got {request.logprobs}.", param="logprobs")
+        prompt_logprobs = self.limits.logprobs_count("prompt_logprobs", request.prompt_logprobs,
+                                                     self.model_info.vocab_size)  # -1: the whole vocabulary
         prompts = await self.renderer.completion_prompts(request.prompt, request.best_of or request.n,
                                                          request.add_special_tokens is not False)
         prompts = [self.renderer.truncate(prompt, request.truncate_prompt_tokens, request.truncation_side)
                    for prompt in prompts]
         # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
         explicit = "max_tokens" in request.model_fields_set
-        if request.logprobs is not None and request.logprobs < 0:  # vLLM takes -1 in prompt_logprobs only
-            raise InvalidRequestError(f"logprobs must be non-negative, got {request.logprobs}.", param="logprobs")
-        prompt_logprobs = self.limits.logprobs_count("prompt_logprobs", request.prompt_logprobs,
-                                                     self.model_info.vocab_size)  # -1: the whole vocabulary
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs
         base_id = f"cmpl-{request.request_id or uuid.uuid4().hex}"
