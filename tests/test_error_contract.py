@@ -93,7 +93,7 @@ HTTP_CASES = [
     (C, {"prompt": "Hi", "stop": "a" * 1025}, 400, "stop"),
     (C, {"prompt": "Hi", "stop_token_ids": list(range(65))}, 400, "stop_token_ids"),
     (C, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
-    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),  # the request's field
     (C, {"prompt": "Hi", "cache_salt": "s" * 257}, 400, "cache_salt"),
     (C, {"prompt": "Hi", "cache_salt": ""}, 400, "cache_salt"),
     (C, {"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt"),

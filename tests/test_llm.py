@@ -13,7 +13,7 @@ from frontend import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
     engine = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4, num_kv_blocks=256,
-                 max_model_len=256)
+                 max_model_len=256, max_logprobs=-1)
     yield engine
     engine.shutdown()
 
@@ -70,6 +70,17 @@ def test_sampling_semantics(llm):
         assert next(iter(position)) == token_id and 3 <= len(position) <= 4
         assert position[token_id].decoded_token is not None
     assert out.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(out.token_ids, out.logprobs)))
+    assert no_blocks_in_use(llm)
+
+
+def test_minus_one_logprobs_are_the_whole_vocabulary(llm):
+    """vLLM's -1, allowed by max_logprobs=-1: every token at every position, the chosen one first."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    (out,) = llm.generate("The capital of", params, use_tqdm=False)
+    vocab = llm.model_info.vocab_size
+    assert [len(position) for position in out.outputs[0].logprobs] == [vocab, vocab]
+    assert out.prompt_logprobs[0] is None and all(len(p) == vocab for p in out.prompt_logprobs[1:])
+    assert [next(iter(p)) for p in out.outputs[0].logprobs] == out.outputs[0].token_ids
     assert no_blocks_in_use(llm)
 
 

@@ -59,4 +59,4 @@ def test_logit_bias_crosses_the_wire_and_its_size_is_bounded():
     assert sampling_params_from_proto(sampling_params_to_proto(params)).logit_bias == {3: -100.0, 70000: 2.5}
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())).logit_bias is None
     with pytest.raises(InvalidRequestError, match="max-logit-bias|max_logit_bias"):
-        Limits(max_logit_bias=2).check_sampling_params(SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}))
+        Limits(max_logit_bias=2).check_sampling_params(SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}), None)

@@ -5,6 +5,7 @@ Written from vLLM's documented behaviour; the live-client acceptance tests are i
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -212,6 +213,24 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, engine, tokenizer)
     assert engine.requests[-1][1] == tokenizer.encode(prompt)[-3:]
 
 
+def test_truncation_side_picks_the_end_truncate_prompt_tokens_keeps(client, engine, tokenizer):
+    """vLLM's truncation_side: "left" (the default) drops the first tokens, "right" the last."""
+    prompt = "The capital of France is Paris."
+    ids = tokenizer.encode(prompt)
+    for side, kept in (("left", ids[-3:]), ("right", ids[:3]), (None, ids[-3:])):
+        assert completion(client, prompt=prompt, truncate_prompt_tokens=3, truncation_side=side).status_code == 200
+        assert engine.requests[-1][1] == kept, side
+    assert completion(client, prompt=prompt, truncation_side="right").status_code == 200  # nothing to cut
+    assert engine.requests[-1][1] == ids
+    rendered = client.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert chat(client, truncate_prompt_tokens=4, truncation_side="right").status_code == 200
+    assert engine.requests[-1][1] == rendered[:4]
+    assert chat(client, truncate_prompt_tokens=4, truncation_side="left").status_code == 200
+    assert engine.requests[-1][1] == rendered[-4:]
+    assert_openai_error(completion(client, truncate_prompt_tokens=3, truncation_side="middle"), 400,
+                        "BadRequestError", "truncation_side")
+
+
 def test_continuous_usage_stats_put_usage_in_every_chunk(client):
     events = sse_events(completion(client, stream=True, stream_options={"continuous_usage_stats": True}))
     usages = [event["usage"] for event in events[:-1]]
@@ -250,6 +269,34 @@ def test_model_by_id_tokenizer_info_load_and_tokens_as_strings(client, tokenizer
     assert client.get("/load").json() == {"server_load": 0}
     body = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+
+
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+                 "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tokenize_with_tools_renders_exactly_what_the_template_renders(client, engine, tokenizer):
+    """vLLM's /tokenize: tools go to the template, and nothing else is added. The tool prompt a
+    template without tool support gets (the tiny tokenizer's) belongs to generation only."""
+    def rendered(template_tokenizer, tools):
+        text = template_tokenizer.apply_chat_template(CHAT, tools=tools, add_generation_prompt=True, tokenize=False)
+        return template_tokenizer.encode(text, add_special_tokens=False)
+
+    tokens = client.post("/tokenize", json={"messages": CHAT, "tools": [WEATHER]}).json()["tokens"]
+    assert tokens == rendered(tokenizer, [WEATHER]) == rendered(tokenizer, None)
+    assert chat(client, tools=[WEATHER]).status_code == 200  # generation adds the fallback tool prompt
+    assert len(engine.requests[-1][1]) > len(tokens)
+    tool_tokenizer = copy.deepcopy(tokenizer)
+    tool_tokenizer.chat_template = TOOL_TEMPLATE
+    info = ModelInfo(MODEL, 2048, TINY_VOCAB, [engine.eos])
+    with TestClient(create_app(engine, tool_tokenizer, info)) as tools_client:
+        tokens = tools_client.post("/tokenize", json={"messages": CHAT, "tools": [WEATHER]}).json()["tokens"]
+        assert tokens == rendered(tool_tokenizer, [WEATHER]) != rendered(tool_tokenizer, None)
+        assert "get_weather" in tool_tokenizer.decode(tokens)
+        assert tools_client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER],
+                                                               "max_tokens": 2}).status_code == 200
+        assert engine.requests[-1][1] == tokens  # a template with tool support: the same prompt
 
 
 def test_invocations_dispatches_by_body(client):

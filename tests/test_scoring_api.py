@@ -127,6 +127,20 @@ def test_score_takes_the_pooling_type_and_truncation(client, engine):
     assert len(engine.requests[0][1]) == MAX_MODEL_LEN - 1
 
 
+def test_truncation_side_right_keeps_the_first_tokens(client, engine, tokenizer):
+    """vLLM's truncation_side, on /score and on /v1/embeddings (the same pooled prompts)."""
+    response = client.post("/score", json={"text_1": TEXTS[0], "text_2": TEXTS[2], "truncate_prompt_tokens": 3,
+                                           "truncation_side": "right"})
+    assert response.status_code == 200, response.text
+    assert [ids for _, ids, _ in engine.requests] == [tokenizer.encode(TEXTS[0])[:3], tokenizer.encode(TEXTS[2])[:3]]
+    engine.requests.clear()
+    for side, kept in (("right", slice(None, 2)), ("left", slice(-2, None))):
+        response = client.post("/v1/embeddings", json={"input": TEXTS[1], "truncate_prompt_tokens": 2,
+                                                       "truncation_side": side})
+        assert response.status_code == 200, response.text
+        assert engine.requests[-1][1] == tokenizer.encode(TEXTS[1])[kept]
+
+
 def test_identical_texts_score_one(client):
     answer = client.post("/score", json={"text_1": TEXTS[2], "text_2": [TEXTS[2], TEXTS[3]]}).json()
     assert answer["data"][0]["score"] == pytest.approx(1.0)

@@ -21,7 +21,7 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"Token ID {bad[0]} is out of vocabulary (size {vocab_size}).", param="prompt")
-    limits.check_sampling_params(params)
+    limits.check_sampling_params(params, vocab_size)
     for name in ("stop_token_ids", "logprob_token_ids", "logit_bias"):
         bad = [t for t in getattr(params, name) or () if t >= vocab_size]
         if bad:

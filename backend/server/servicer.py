@@ -220,7 +220,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if request_id in self._stop_events:  # the engine checks too, but after we registered it
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.", param="request_id")
         params = sampling_params_from_proto(request.sampling_params)
-        self.limits.check_sampling_params(params)  # n is bounded before it counts towards admission
+        self.limits.check_sampling_params(params, None)  # n is bounded before it counts towards admission
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         self.limits.check_cache_salt(cache_salt)
         if self.num_sequences_in_flight + params.n > self.max_sequences_in_flight:

@@ -31,7 +31,7 @@ class Limits:
     max_n: int = 128  # sequences per prompt (OpenAI's cap on n)
     max_stop_sequences: int = 64  # stop strings, and stop token IDs, each
     max_stop_sequence_length: int = 1024  # characters in one stop string (matched on every delta)
-    max_logprobs: int = 20  # top alternatives per position (vLLM's --max-logprobs)
+    max_logprobs: int = 20  # top alternatives per position (vLLM's --max-logprobs; -1: the whole vocabulary)
     max_logprob_token_ids: int = 128  # tokens whose logprobs one request asks for by ID (each a vocab-wide rank)
     max_logit_bias: int = 300  # tokens one request biases (OpenAI's bound)
     max_cache_salt_length: int = 256  # characters
@@ -67,14 +67,21 @@ class Limits:
         for f in fields(self):
             if isinstance(getattr(self, f.name), bool):  # a switch, not a bound
                 continue
+            if f.name == "max_logprobs" and self.max_logprobs == -1:  # no cap but the vocabulary (vLLM's)
+                continue
             if getattr(self, f.name) < 1:
                 raise InvalidRequestError(f"{f.name} must be at least 1; got {getattr(self, f.name)}.",
                                           param=f.name)
 
     # ---- checks ----
 
-    def check_sampling_params(self, params) -> None:
-        """Raise ``InvalidRequestError`` naming the bound a ``SamplingParams`` exceeds."""
+    def check_sampling_params(self, params, vocab_size: Optional[int]) -> None:
+        """Raise ``InvalidRequestError`` naming the bound a ``SamplingParams`` exceeds.
+
+        ``vocab_size`` resolves a -1 (the whole vocabulary) in the logprobs counts and in
+        max_logprobs; None where it is not known (the gRPC edge, whose proto carries no -1):
+        max_logprobs -1 then bounds nothing there, and the engine checks again knowing it.
+        """
         self._at_most("n", params.n, self.max_n, "max_n")
         self._at_most("stop", len(params.stop), self.max_stop_sequences, "max_stop_sequences", what="stop strings")
         longest = max((len(s) for s in params.stop), default=0)
@@ -83,15 +90,36 @@ class Limits:
         self._at_most("stop_token_ids", len(params.stop_token_ids), self.max_stop_sequences, "max_stop_sequences",
                       what="stop token IDs")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None:
-                self._at_most(name, value, self.max_logprobs, "max_logprobs")
+            self.logprobs_count(name, getattr(params, name), vocab_size)
         if params.logprob_token_ids is not None:
             self._at_most("logprob_token_ids", len(params.logprob_token_ids), self.max_logprob_token_ids,
                           "max_logprob_token_ids", what="tokens in logprob_token_ids")
         if params.logit_bias:
             self._at_most("logit_bias", len(params.logit_bias), self.max_logit_bias, "max_logit_bias",
                           what="tokens in logit_bias")
+
+    def logprobs_count(self, param: str, value: Optional[int], vocab_size: Optional[int]) -> Optional[int]:
+        """A request's logprobs per position (``param``: its field) with vLLM's -1, the whole
+        vocabulary, resolved to ``vocab_size``; raises InvalidRequestError naming ``param`` for a
+        count below -1 or above --max-logprobs (whose own -1 is the vocabulary size too).
+        ``vocab_size`` None (not known here): a -1 stays -1, allowed only under --max-logprobs -1."""
+        if value is None:
+            return None
+        if value < -1:
+            raise InvalidRequestError(f"{param} must be -1 (the whole vocabulary) or non-negative; got {value}.",
+                                      param=param)
+        count = vocab_size if value == -1 and vocab_size is not None else value
+        limit = vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if limit is None:  # --max-logprobs -1 and the vocabulary not known here
+            return count
+        if count == -1 or count > limit:
+            asked = str(value)
+            if value == -1:
+                asked += f" (the whole vocabulary, {count} tokens)" if count != -1 else " (the whole vocabulary)"
+            raise InvalidRequestError(
+                f"{param} must be at most {limit} (the server's --max-logprobs, which -1 sets to the vocabulary "
+                f"size); got {asked}.", param=param)
+        return count
 
     def check_request_id(self, request_id: str) -> None:
         if not request_id:
@@ -140,7 +168,8 @@ _HELP = {
     "max_n": "most sequences one prompt may ask for (n)",
     "max_stop_sequences": "most stop strings, and most stop token IDs, per request",
     "max_stop_sequence_length": "most characters in one stop string",
-    "max_logprobs": "most top logprobs per position (logprobs, prompt_logprobs, top_logprobs)",
+    "max_logprobs": "most top logprobs per position (logprobs, prompt_logprobs, top_logprobs); -1: the whole "
+                    "vocabulary, which a request asks for with -1",
     "max_logprob_token_ids": "most tokens one request asks logprobs of by ID (logprob_token_ids)",
     "max_logit_bias": "most tokens one request biases (logit_bias)",
     "max_cache_salt_length": "most characters in cache_salt",

@@ -133,8 +133,8 @@ class SamplingParams:
     stop: Optional[list[str]] = None  # matched on text by the frontend
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
-    logprobs: Optional[int] = None  # top-k logprobs per generated token (0: sampled only)
-    prompt_logprobs: Optional[int] = None  # top-k logprobs per prompt token
+    logprobs: Optional[int] = None  # top-k logprobs per generated token (0: sampled only; -1: all)
+    prompt_logprobs: Optional[int] = None  # top-k logprobs per prompt token (-1: the whole vocabulary)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -194,10 +194,10 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad("logprobs", f"logprobs must be non-negative, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad("prompt_logprobs", f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (vLLM's)
+            value = getattr(self, name)
+            if value is not None and value < -1:
+                bad(name, f"{name} must be -1 (the whole vocabulary) or non-negative, got {value}.")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must not be empty.")
         if any(t < 0 for t in self.stop_token_ids):
@@ -222,7 +222,7 @@ class SamplingParams:
                               ("structured_outputs", None), ("logprob_token_ids", None), ("logit_bias", None)):
                 if getattr(self, name) != off:
                     bad(name, f"{name} cannot be combined with use_beam_search.")
-            if self.logprobs is not None and self.logprobs > 0:
+            if self.logprobs not in (None, 0):
                 bad("logprobs", "With use_beam_search only the chosen tokens' logprobs (logprobs=0) are returned.")
 
     @functools.cached_property  # parameters are fixed once constructed

@@ -160,14 +160,14 @@ def compute_prompt_logprobs(
     """Logprobs of prompt tokens under the raw model distribution.
 
     logits: [num_positions, vocab], row i predicting ``target_token_ids[i]``.
-    Returns one dict per position: the target token first, then the top ``num_top``.
+    Returns one dict per position: the target token first, then the top ``num_top`` (-1: every token).
     """
     if logits.dim() != 2 or logits.shape[0] != len(target_token_ids):
         raise ValueError(
             f"logits must be [num_positions={len(target_token_ids)}, vocab], got shape {tuple(logits.shape)}."
         )
-    if num_top < 0:
-        raise ValueError(f"num_top must be non-negative, got {num_top}.")
+    if num_top < -1:
+        raise ValueError(f"num_top must be -1 (every token) or non-negative, got {num_top}.")
     if not target_token_ids:
         return []
     logprobs = logits.float().log_softmax(dim=-1)  # [num_positions, vocab]
@@ -391,16 +391,19 @@ def _position_logprobs(
     logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int],
     token_ids: Optional[list[Optional[list[int]]]] = None,
 ) -> list[PositionLogprobs]:
-    """logprobs [n, vocab], chosen [n] → per row {chosen: Logprob, then top-k by rank}.
+    """logprobs [n, vocab], chosen [n] → per row {chosen: Logprob, then top-k by rank}; a k of -1
+    (vLLM's "the whole vocabulary") lists every token.
 
     The chosen token's rank is 1 + the number of tokens strictly more likely; the
     top-k get ranks 1..k. A chosen token that is also in the top-k appears once.
     Where ``token_ids[i]`` is given, row i lists those tokens (in that order,
     each with its rank) instead of a top-k.
     """
+    vocab_size = logprobs.shape[1]
+    num_tops = [vocab_size if k < 0 else min(k, vocab_size) for k in num_tops]
     chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))  # [n, 1]
     chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
-    max_top = min(max(num_tops), logprobs.shape[1])
+    max_top = max(num_tops)
     if max_top > 0:
         top = logprobs.topk(max_top, dim=-1)  # [n, max_top] each
         top_values, top_ids = top.values.tolist(), top.indices.tolist()
@@ -418,7 +421,7 @@ def _position_logprobs(
             for wanted_id, value, wanted_rank in zip(wanted, values.tolist(), ranks.tolist()):
                 position.setdefault(wanted_id, Logprob(value, wanted_rank))
         else:
-            for top_rank in range(min(num_tops[i], max_top)):
+            for top_rank in range(num_tops[i]):
                 top_id = top_ids[i][top_rank]
                 if top_id not in position:
                     position[top_id] = Logprob(top_values[i][top_rank], top_rank + 1)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from backend.types.config import EngineConfig
+from backend.types.limits import Limits
 from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import SamplingParams
 from backend.types.startup_log import log_phase
@@ -37,20 +38,23 @@ class LLM:
     ``tandem`` command line's flags): ``dtype``, ``seed``, ``max_model_len``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``enable_prefix_caching``, ``enforce_eager``, ``kv_cache_memory_gb``, ...
-    ``model=None`` serves the default model (SmolLM2-135M-Instruct).
+    ``model=None`` serves the default model (SmolLM2-135M-Instruct). ``max_logprobs`` (vLLM's):
+    the most logprobs a request may ask per position; -1 lets it ask for the whole vocabulary
+    (``logprobs=-1``, ``prompt_logprobs=-1``).
 
     The start prints one line per phase on stderr (model, kernels, weights, KV cache, graphs,
     ready), unless the program has set up logging itself (then they are INFO records of the
     ``backend`` loggers, shown or not as it decides).
     """
 
-    def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, max_logprobs: int = 20,
+                 **kwargs: Any) -> None:
         start = time.monotonic()
         with startup_progress_shown():
             from backend.engine.async_llm_engine import AsyncLLMEngine  # torch lives behind this import
 
             config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **kwargs)
-            self.engine = AsyncLLMEngine(config)
+            self.engine = AsyncLLMEngine(config, Limits(max_logprobs=max_logprobs))
             self.model_info = self.engine.engine.model_info()
             self.tokenizer = load_tokenizer(self.model_info.tokenizer_path)
             self._ids = itertools.count()

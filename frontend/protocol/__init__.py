@@ -25,7 +25,7 @@ from frontend.protocol.common import (IGNORED_FIELDS, INT64, UNSUPPORTED_FIELDS,
                                       SamplingFields, StreamOptions, StructuredOutputsRequest, Unsupported, UsageInfo,
                                       created_now)
 from frontend.protocol.completions import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                           CompletionResponseChoice, CompletionStreamResponse)
+                                           CompletionResponseChoice, CompletionStreamChoice, CompletionStreamResponse)
 from frontend.protocol.embeddings import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, PoolingData,
                                           PoolingRequest, PoolingResponse)
 from frontend.protocol.models import ModelCard, ModelList
@@ -41,7 +41,7 @@ __all__ = [
     "PromptLogprob", "PromptTokensDetails", "RequestModel", "ResponseFormat", "ResponseModel", "SamplingFields",
     "StreamOptions", "StructuredOutputsRequest", "Unsupported", "UsageInfo", "created_now",
     "CompletionLogProbs", "CompletionRequest", "CompletionResponse", "CompletionResponseChoice",
-    "CompletionStreamResponse",
+    "CompletionStreamChoice", "CompletionStreamResponse",
     "ChatCompletionLogprobContent", "ChatCompletionLogProbs", "ChatCompletionRequest", "ChatCompletionResponse",
     "ChatCompletionResponseChoice", "ChatCompletionStreamChoice", "ChatCompletionStreamResponse",
     "ChatCompletionTopLogprob", "ChatMessage", "DeltaMessage", "DeltaToolCall", "FunctionCall", "ToolCall",

@@ -131,6 +131,10 @@ class ChatCompletionResponse(ResponseModel):
 
 
 class ChatCompletionStreamChoice(ResponseModel):
+    """A chunk's choice. OpenAI's ``logprobs`` and ``finish_reason`` are always there (null when
+    unset); vLLM's ``stop_reason`` only with the finish (null there for EOS or the length), and
+    ``token_ids`` only with return_token_ids, as vLLM writes its chunks (its unset keys left out)."""
+
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatCompletionLogProbs] = None
@@ -138,8 +142,20 @@ class ChatCompletionStreamChoice(ResponseModel):
     stop_reason: Union[int, str, None] = None
     token_ids: Optional[list[int]] = None  # with return_token_ids
 
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        data = handler(self)
+        if data["token_ids"] is None:
+            del data["token_ids"]
+        if data["finish_reason"] is None and data["stop_reason"] is None:
+            del data["stop_reason"]
+        return data
+
 
 class ChatCompletionStreamResponse(ResponseModel):
+    """A chunk; ``usage`` (stream_options) and ``prompt_token_ids`` (return_token_ids, the first
+    chunk) are left out of the chunks without them, as vLLM leaves them out."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=created_now)
@@ -147,3 +163,8 @@ class ChatCompletionStreamResponse(ResponseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
     prompt_token_ids: Optional[list[int]] = None  # with return_token_ids, in the first chunk
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items()
+                if value is not None or key not in ("usage", "prompt_token_ids")}

@@ -156,7 +156,9 @@ class SamplingFields(Unsupported, LegacyGuidedFields):
     logit_bias: Optional[dict[str, float]] = None
     return_token_ids: bool = False  # token IDs of the prompt and of each choice
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
-    truncate_prompt_tokens: Optional[int] = None  # keep the last k prompt tokens (-1: max_model_len)
+    truncate_prompt_tokens: Optional[int] = None  # keep k prompt tokens (-1: max_model_len)
+    # vLLM's: which end truncate_prompt_tokens cuts; "left" (None: the same) keeps the last k, "right" the first k.
+    truncation_side: Optional[Literal["left", "right"]] = None
     request_id: Optional[str] = None  # the response's ID (and the engine's), instead of a random one
     add_special_tokens: Optional[bool] = None  # None: True for completions, False for chat
     # vLLM's extras.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr, model_serializer
 
 from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now
 
@@ -51,10 +51,22 @@ class CompletionResponse(ResponseModel):
     kv_transfer_params: Optional[dict[str, Any]] = None
 
 
+class CompletionStreamChoice(CompletionResponseChoice):
+    """A chunk's choice: vLLM's chunk fields, null when unset (vLLM writes every one), and Tandem's
+    ``prompt_logprobs`` (vLLM streams none) only in the chunk that carries them."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        data = handler(self)
+        if data["prompt_logprobs"] is None:
+            del data["prompt_logprobs"]
+        return data
+
+
 class CompletionStreamResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=created_now)
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionStreamChoice]
     usage: Optional[UsageInfo] = None

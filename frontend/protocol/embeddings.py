@@ -20,6 +20,7 @@ class EmbeddingRequest(RequestModel):
     # vLLM's extensions.
     add_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None
+    truncation_side: Optional[Literal["left", "right"]] = None  # "right" keeps the first tokens, else the last
     normalize: bool = True  # scale each vector to unit L2 norm
     # Tandem's: how the final hidden states are pooled (``last``: the last token's, as vLLM pools
     # a causal language model; ``mean``: over every token).

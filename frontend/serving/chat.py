@@ -34,12 +34,13 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         self._check_request(request)
         self.renderer.check_chat_template(request.chat_template)
-        if request.top_logprobs is not None and request.top_logprobs < 0:
-            raise InvalidRequestError(f"top_logprobs must be non-negative, got {request.top_logprobs}.",
-                                      param="top_logprobs")
-        if request.top_logprobs and not request.logprobs:
+        if request.top_logprobs and request.top_logprobs >= -1 and not request.logprobs:
             raise InvalidRequestError("When using `top_logprobs`, `logprobs` must be set to true.",
                                       param="top_logprobs")
+        # vLLM's -1: the whole vocabulary (within --max-logprobs).
+        vocab_size = self.model_info.vocab_size
+        top_logprobs = self.limits.logprobs_count("top_logprobs", request.top_logprobs, vocab_size)
+        prompt_logprobs = self.limits.logprobs_count("prompt_logprobs", request.prompt_logprobs, vocab_size)
         if request.logprob_token_ids is not None and not request.logprobs:
             raise InvalidRequestError("When using `logprob_token_ids`, `logprobs` must be set to true.",
                                       param="logprob_token_ids")
@@ -58,13 +59,14 @@ class OpenAIServingChat(OpenAIServing):
             messages, request.add_generation_prompt, request.chat_template, request.continue_final_message,
             {**(request.chat_template_kwargs or {}), "tools": request.tools if supports_tools else None},
             add_special_tokens=bool(request.add_special_tokens))
-        prompt = self.renderer.truncate(Prompt(text, token_ids), request.truncate_prompt_tokens)
+        prompt = self.renderer.truncate(Prompt(text, token_ids), request.truncate_prompt_tokens,
+                                        request.truncation_side)
         # vLLM: max_completion_tokens wins; neither given means all the room left.
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = max_tokens_for(requested, len(prompt.token_ids), default=None, prompt_param="messages",
                                     max_model_len=self.model_info.max_model_len)
-        logprobs = (request.top_logprobs or 0) if request.logprobs and request.logprob_token_ids is None else None
-        params = sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, constraint, self.limits)
+        logprobs = (top_logprobs or 0) if request.logprobs and request.logprob_token_ids is None else None
+        params = sampling_params(request, max_tokens, logprobs, prompt_logprobs, constraint, self.limits)
         base_id = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
         run = EngineRun(base_id, prompt, params, self.tokenizer, first_choice=0, deadline=self._deadline(),
                         cache_salt=request.cache_salt)
@@ -85,12 +87,10 @@ class OpenAIServingChat(OpenAIServing):
         (run,) = runs
         choices = []
         as_ids = request.return_tokens_as_token_ids
+        num_top = _num_top(request, run)
         for rank, seq in enumerate(self._chosen(request, run, run.builder.build().outputs)):
             logprobs = None
             if request.logprobs:
-                num_top = request.top_logprobs or 0
-                if request.logprob_token_ids is not None:
-                    num_top = len(request.logprob_token_ids) + 1
                 logprobs = chat_logprobs(self.tokenizer, seq.token_ids, seq.logprobs, num_top, as_ids)
             content, calls = run.replies[seq.index].whole(seq.text)
             finish_reason = seq.finish_reason
@@ -115,11 +115,9 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         as_ids = request.return_tokens_as_token_ids
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
-        num_top = request.top_logprobs or 0
-        if request.logprob_token_ids is not None:
-            num_top = len(request.logprob_token_ids) + 1
+        num_top = _num_top(request, run)
         frames = ChunkFrames({"id": base_id, "object": "chat.completion.chunk", "created": created,
-                              "model": self.model_name}, '"usage":null,"prompt_token_ids":null')
+                              "model": self.model_name}, "")  # no usage, no prompt_token_ids: left out
 
         def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None,
                   prompt_token_ids: Optional[list[int]] = None) -> str:
@@ -175,10 +173,22 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([], self._usage(runs))
 
 
+def _num_top(request: P.ChatCompletionRequest, run: EngineRun) -> int:
+    """Alternatives listed per token: top_logprobs (resolved: -1 is the vocabulary), or every token
+    of logprob_token_ids and the chosen one."""
+    if request.logprob_token_ids is not None:
+        return len(request.logprob_token_ids) + 1
+    return run.params.logprobs or 0
+
+
 def _choice_json(index: int, content: str, logprobs_json: str, finish_reason: Optional[str],
                  stop_reason: Union[int, str, None], token_ids: Optional[list[int]]) -> str:
-    """A ``P.ChatCompletionStreamChoice`` whose delta holds only content (or nothing), as JSON."""
+    """A ``P.ChatCompletionStreamChoice`` whose delta holds only content (or nothing), as JSON: its
+    unset keys left out as the model leaves them out (stop_reason before the finish, token_ids)."""
     delta = f'{{"content":{json_text(content)}}}' if content else "{}"  # the model leaves out an empty one
-    return (f'{{"index":{index},"delta":{delta},"logprobs":{logprobs_json},'
-            f'"finish_reason":{json_or_null(finish_reason)},"stop_reason":{json_or_null(stop_reason)},'
-            f'"token_ids":{json_or_null(token_ids)}}}')
+    text = f'{{"index":{index},"delta":{delta},"logprobs":{logprobs_json},"finish_reason":{json_or_null(finish_reason)}'
+    if finish_reason is not None or stop_reason is not None:
+        text += f',"stop_reason":{json_or_null(stop_reason)}'
+    if token_ids is not None:
+        text += f',"token_ids":{json_text(token_ids)}'
+    return text + "}"

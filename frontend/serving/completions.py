@@ -32,12 +32,16 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.max_tokens == 0 and not request.echo:
             raise InvalidRequestError("max_tokens must be at least 1 (0 is only for echo, to score the prompt).",
                                       param="max_tokens")
+        if request.logprobs is not None and request.logprobs < 0:  # vLLM takes -1 in prompt_logprobs only
+            raise InvalidRequestError(f"logprobs must be non-negative, got {request.logprobs}.", param="logprobs")
+        prompt_logprobs = self.limits.logprobs_count("prompt_logprobs", request.prompt_logprobs,
+                                                     self.model_info.vocab_size)  # -1: the whole vocabulary
         prompts = await self.renderer.completion_prompts(request.prompt, request.best_of or request.n,
                                                          request.add_special_tokens is not False)
-        prompts = [self.renderer.truncate(prompt, request.truncate_prompt_tokens) for prompt in prompts]
+        prompts = [self.renderer.truncate(prompt, request.truncate_prompt_tokens, request.truncation_side)
+                   for prompt in prompts]
         # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
         explicit = "max_tokens" in request.model_fields_set
-        prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs
         base_id = f"cmpl-{request.request_id or uuid.uuid4().hex}"
@@ -138,14 +142,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield frames.frame(
                     f'{{"index":{choice},"text":{json_text(text)},"logprobs":{logprobs_json},'
                     f'"finish_reason":{json_or_null(finish_reason)},"stop_reason":{json_or_null(stop_reason)},'
-                    f'"token_ids":{json_or_null(chunk_token_ids)},"prompt_logprobs":null,"prompt_token_ids":null}}')
+                    f'"token_ids":{json_or_null(chunk_token_ids)},"prompt_token_ids":null}}')
                 continue
             logprobs = None
             if wants_logprobs:
                 logprobs = completion_logprobs(self.tokenizer, token_ids, positions, offset, as_ids)
             yield sse_event(P.CompletionStreamResponse(
                 id=base_id, created=created, model=self.model_name,
-                choices=[P.CompletionResponseChoice(
+                choices=[P.CompletionStreamChoice(
                     index=choice, text=text, logprobs=logprobs, finish_reason=finish_reason,
                     stop_reason=stop_reason, token_ids=chunk_token_ids,
                     prompt_token_ids=run.prompt.token_ids if request.return_token_ids and first_of_choice else None,

@@ -53,7 +53,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         """(the request's ID, its prompts, their pooled vectors), every input checked before any is sent."""
         self._check_model(request.model)
         self._check_dimensions(request.dimensions)
-        prompts = await self.pooled_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens)
+        prompts = await self.pooled_prompts(request.input, request.add_special_tokens, request.truncate_prompt_tokens,
+                                            truncation_side=request.truncation_side)
         base_id = f"{id_prefix}-{uuid.uuid4().hex}"
         vectors = await self.pooled_vectors(raw_request, base_id, prompts,
                                             PoolingParams(request.pooling_type, request.normalize))
@@ -61,15 +62,16 @@ class OpenAIServingEmbedding(OpenAIServing):
         return base_id, prompts, vectors
 
     async def pooled_prompts(self, value, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
-                             param: str = "input") -> list[Prompt]:
+                             param: str = "input", truncation_side: Optional[str] = None) -> list[Prompt]:
         """The inputs as prompts (the completions ``prompt`` field's shapes and checks, named
-        ``param``), each truncated as asked and short enough to pool. Their count is checked
+        ``param``), each truncated as asked (``truncation_side``: vLLM's, ``PromptRenderer.truncate``)
+        and short enough to pool. Their count is checked
         first, to name ``param`` in the error."""
         self.check_count(value, param)
         max_len = self.model_info.max_model_len
         if truncate_prompt_tokens == -1:  # as many as an input may have (the engine adds one position)
             truncate_prompt_tokens = max_len - 1
-        prompts = [self.renderer.truncate(prompt, truncate_prompt_tokens)
+        prompts = [self.renderer.truncate(prompt, truncate_prompt_tokens, truncation_side)
                    for prompt in await self.renderer.completion_prompts(value, 1, add_special_tokens, param=param)]
         for prompt in prompts:
             if len(prompt.token_ids) >= max_len:  # the engine computes the prompt and one more position

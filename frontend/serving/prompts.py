@@ -157,8 +157,9 @@ class PromptRenderer:
                 raise InvalidRequestError(_empty(param), param=param)
         return prompts
 
-    def truncate(self, prompt: Prompt, keep: Optional[int]) -> Prompt:
-        """truncate_prompt_tokens: the last ``keep`` tokens (-1: max_model_len); None: as it is."""
+    def truncate(self, prompt: Prompt, keep: Optional[int], side: Optional[str] = None) -> Prompt:
+        """truncate_prompt_tokens: ``keep`` tokens (-1: max_model_len); None: as it is. vLLM's
+        truncation_side says which are dropped: "left" (or None) keeps the last ones, "right" the first."""
         if keep is None:
             return prompt
         if keep == -1:
@@ -168,7 +169,8 @@ class PromptRenderer:
                                       param="truncate_prompt_tokens")
         if len(prompt.token_ids) <= keep:
             return prompt
-        return Prompt(None, prompt.token_ids[-keep:])  # its text is now that of the tokens kept
+        kept = prompt.token_ids[:keep] if side == "right" else prompt.token_ids[-keep:]
+        return Prompt(None, kept)  # its text is now that of the tokens kept
 
 
 def _chat_text_size(messages: Any) -> int:

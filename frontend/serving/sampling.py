@@ -78,9 +78,10 @@ def logit_bias(request: P.SamplingFields, limits: Limits) -> Optional[dict[int, 
 def sampling_params(request: P.SamplingFields, max_tokens: int, logprobs: Optional[int],
                     prompt_logprobs: Optional[int], constraint: Optional[StructuredOutputsParams],
                     limits: Limits) -> SamplingParams:
-    """The request's ``SamplingParams``. ``constraint`` (e.g. a tool call's schema) replaces the
-    request's own structured outputs; with best_of, best_of sequences run (the endpoint returns
-    the n most likely)."""
+    """The request's ``SamplingParams``. ``logprobs`` and ``prompt_logprobs`` are counts, a -1 (the
+    whole vocabulary) already resolved by ``Limits.logprobs_count``. ``constraint`` (e.g. a tool
+    call's schema) replaces the request's own structured outputs; with best_of, best_of sequences
+    run (the endpoint returns the n most likely)."""
     if constraint is None:
         constraint = structured_outputs(request)
     n = request.n
@@ -104,6 +105,6 @@ def sampling_params(request: P.SamplingFields, max_tokens: int, logprobs: Option
     if request.use_beam_search:
         fields.pop("temperature", None)  # beams are ranked by raw logprobs: temperature changes nothing
     params = SamplingParams(**fields)  # checks every value, naming the parameter
-    limits.check_sampling_params(params)
+    limits.check_sampling_params(params, None)  # logprobs counts come resolved (``Limits.logprobs_count``)
     limits.check_cache_salt(request.cache_salt)
     return params

@@ -82,8 +82,10 @@ class OpenAIServingScores(OpenAIServing):
         self.embedding.check_count(left, left_param)
         self.embedding.check_count(right, right_param)
         truncate = request.truncate_prompt_tokens
-        left_prompts = await self.embedding.pooled_prompts(left, True, truncate, param=left_param)
-        right_prompts = await self.embedding.pooled_prompts(right, True, truncate, param=right_param)
+        side = request.truncation_side
+        left_prompts = await self.embedding.pooled_prompts(left, True, truncate, param=left_param, truncation_side=side)
+        right_prompts = await self.embedding.pooled_prompts(right, True, truncate, param=right_param,
+                                                            truncation_side=side)
         prompts = left_prompts + right_prompts
         vectors = await self.embedding.pooled_vectors(raw_request, base_id, prompts,
                                                       PoolingParams(request.pooling_type, normalize=True))

@@ -50,14 +50,14 @@ class ChunkFrames:
     """The SSE events of one streamed response whose chunks differ only in their choices.
 
     ``head_fields`` are the response model's fields before ``choices`` (id, object, created,
-    model), ``tail`` the JSON of the fields after it (e.g. ``"usage":null``), in the model's
-    order; ``frame(choice_json)`` is then one event with that one choice.
+    model), ``tail`` the JSON of the fields after it (e.g. ``"usage":null``; empty: none), in the
+    model's order; ``frame(choice_json)`` is then one event with that one choice.
     """
 
     def __init__(self, head_fields: dict[str, Any], tail: str) -> None:
         head = ",".join(f"{json_text(name)}:{json_text(value)}" for name, value in head_fields.items())
         self._head = f'data: {{{head},"choices":['
-        self._tail = f"],{tail}}}\n\n"
+        self._tail = f"],{tail}}}\n\n" if tail else "]}\n\n"
 
     def frame(self, choice_json: str) -> str:
         return self._head + choice_json + self._tail

@@ -2,6 +2,9 @@
 
 /tokenize takes a text or a chat (rendered with the chat template, as
 /v1/chat/completions would), so a client counts the tokens a request will use.
+A chat with ``tools`` renders exactly what the template renders with them (as
+vLLM's does): the tool prompt /v1/chat/completions adds for a template without
+tool support (``frontend.tool_calls``) belongs to generation, not to /tokenize.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 from backend.types.errors import InvalidRequestError
 from frontend import protocol as P
 from frontend.serving.base import OpenAIServing
-from frontend.tool_calls import check_tools, messages_for_template, template_supports_tools
+from frontend.tool_calls import check_tools, messages_for_template
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -23,12 +26,12 @@ class OpenAIServingTokenization(OpenAIServing):
             raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
         self.renderer.check_chat_template(request.chat_template)
         if request.messages is not None:
-            supports_tools = template_supports_tools(request.chat_template or self.tokenizer.chat_template)
             check_tools(request.tools, None)
-            messages = messages_for_template(request.messages, request.tools, supports_tools)
+            # As a template with tool support gets them: tool-call arguments as objects, no fallback.
+            messages = messages_for_template(request.messages, request.tools, supports_tools=True)
             _, tokens = await self.renderer.render_and_encode_chat(
                 messages, request.add_generation_prompt, request.chat_template, request.continue_final_message,
-                {**(request.chat_template_kwargs or {}), "tools": request.tools if supports_tools else None},
+                {**(request.chat_template_kwargs or {}), "tools": request.tools},
                 add_special_tokens=bool(request.add_special_tokens))
         else:
             tokens = await self.renderer.encode(request.prompt,
