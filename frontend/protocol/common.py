@@ -4,11 +4,9 @@ generation endpoints, usage, prompt logprobs and the error body (``frontend.prot
 from __future__ import annotations
 
 import time
-import types
-import typing
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from frontend.unicode_check import check_valid_unicode
@@ -19,48 +17,13 @@ def created_now() -> int:
     return int(time.time())
 
 
-def _scalar_kind(annotation: Any) -> Optional[str]:
-    """"bool" or "number" for a field typed bool or int/float (optionally None), else None."""
-    origin = typing.get_origin(annotation)
-    members = typing.get_args(annotation) if origin in (Union, types.UnionType) else (annotation,)
-    kinds = {member for member in members if member is not type(None)}
-    if kinds == {bool}:
-        return "bool"
-    return "number" if kinds and kinds <= {int, float} else None
-
-
-_SCALAR_FIELDS: dict[type, dict[str, str]] = {}
-
-
-def _scalar_fields(model: type[BaseModel]) -> dict[str, str]:
-    """``model``'s bool and number fields: their key in the JSON (alias or name) -> "bool" or "number"."""
-    if model not in _SCALAR_FIELDS:
-        kinds = {(field.alias or name): _scalar_kind(field.annotation) for name, field in model.model_fields.items()}
-        _SCALAR_FIELDS[model] = {key: kind for key, kind in kinds.items() if kind is not None}
-    return _SCALAR_FIELDS[model]
-
-
 class RequestModel(BaseModel):
     """A request body (or a part of one): unknown fields are refused, and so is text that is not
-    valid Unicode, in every field of every request model (``frontend.unicode_check``). Booleans and
-    numbers take JSON's types only (pydantic's lax mode would read 0 as false and "1" as 1: values
-    /openapi.json calls invalid)."""
+    valid Unicode, in every field of every request model (``frontend.unicode_check``). Values take
+    JSON's types as they are (strict: pydantic's lax mode would read 0 as false and "1" as 1,
+    values /openapi.json calls invalid)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _json_scalar_types(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, kind in _scalar_fields(cls).items():
-                value = data.get(key)
-                if value is None:
-                    continue
-                if kind == "bool" and not isinstance(value, bool):
-                    raise ValueError(f"{key} must be a boolean (true or false), got {value!r:.40}")
-                if kind == "number" and isinstance(value, (str, bool)):
-                    raise ValueError(f"{key} must be a number, got {value!r:.40}")
-        return data
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @field_validator("*")
     @classmethod
