@@ -96,8 +96,8 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     app = FastAPI(title="Tandem", version=tandem_version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.serving = context
-    # A generation route's 200: its JSON body, or its SSE chunks (data: lines of the chunk model) with stream.
-    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    # A generation route's 200: its JSON body, or its SSE events with stream (frontend.openapi describes them).
+    sse = {"text/event-stream": {}}
     completion_answers = {200: {"model": P.CompletionResponse, "content": sse}}
     chat_answers = {200: {"model": P.ChatCompletionResponse, "content": sse}}
 
@@ -220,7 +220,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def version() -> P.VersionResponse:
         return serving_status.version()
 
-    install_openapi(app, limits, model_info.max_model_len, OPEN_ROUTES, GENERATION_ROUTES, api_key is not None)
+    install_openapi(app, limits, model_info, OPEN_ROUTES, GENERATION_ROUTES, api_key is not None)
     install_error_handlers(app, limits.retry_after_s)
     # Added innermost first: a request meets them in the opposite order (frontend.middleware).
     app.add_middleware(AdmissionMiddleware, paths=GENERATION_ROUTES, limit=limits.max_concurrent_requests,

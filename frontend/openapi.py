@@ -5,12 +5,17 @@ The request and response bodies come from the pydantic models that parse them
 This module adds, once per app:
 
 * the bounds that are settings (``Limits``: ``n`` up to ``--max-n``, logprobs up to
-  ``--max-logprobs``, ...) and the model's context length (max_tokens);
+  ``--max-logprobs``, ...) and the model's (max_tokens up to its context length, token IDs
+  below its vocabulary size); prompts are not empty; chat messages have the shape
+  ``frontend.tokenizer`` checks (a role of 1 to ``MAX_ROLE_CHARS`` characters, text content);
 * the error answers the app really gives, in its error shape (OpenAI's, or Anthropic's on
   ``/v1/messages``): 400 for a body or parameter it refuses (never FastAPI's 422: the error
   handlers answer validation errors with 400), 401 without the API key (when one is set), 404
   for an unknown model or ID, 413 for a body past ``--max-request-body-bytes``, 429 when
-  admission refuses, 503 when no backend answers.
+  admission refuses, 503 when no backend answers;
+* each server-sent event of a streamed answer (OpenAPI 3.1: the media type's schema describes one
+  event): its ``data`` is JSON, a chunk of the route's stream model where it has one (or an error
+  body), and OpenAI's streams end with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, TypeAdapter
 
 from backend.types.limits import Limits
+from backend.types.outputs import ModelInfo
 from frontend import protocol as P
 from frontend.protocol.anthropic import AnthropicErrorResponse
+from frontend.tokenizer import MAX_ROLE_CHARS
 
 _REF = "#/components/schemas/{model}"
 _ANTHROPIC_PREFIX = "/v1/messages"
@@ -37,9 +44,11 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
-def setting_bounds(limits: Limits, max_model_len: int) -> dict[str, dict[str, int]]:
+def setting_bounds(limits: Limits, model_info: ModelInfo) -> dict[str, dict[str, Any]]:
     """Request property -> the JSON Schema bounds the served app enforces from its settings."""
     logprobs = {"maximum": limits.max_logprobs}
+    max_model_len = model_info.max_model_len
+    token_id = {"type": "integer", "minimum": 0, "maximum": model_info.vocab_size - 1}
     return {
         "n": {"maximum": limits.max_n},
         "best_of": {"maximum": limits.max_n},
@@ -49,8 +58,8 @@ def setting_bounds(limits: Limits, max_model_len: int) -> dict[str, dict[str, in
         "max_tokens": {"maximum": max_model_len},
         "max_completion_tokens": {"maximum": max_model_len},
         "logit_bias": {"maxProperties": limits.max_logit_bias},
-        "logprob_token_ids": {"maxItems": limits.max_logprob_token_ids},
-        "stop_token_ids": {"maxItems": limits.max_stop_sequences},
+        "logprob_token_ids": {"maxItems": limits.max_logprob_token_ids, "items": token_id},
+        "stop_token_ids": {"maxItems": limits.max_stop_sequences, "items": token_id},
         "cache_salt": {"minLength": 1, "maxLength": limits.max_cache_salt_length},
         "request_id": {"minLength": 1, "maxLength": limits.max_request_id_length},
     }
@@ -60,28 +69,66 @@ def setting_bounds(limits: Limits, max_model_len: int) -> dict[str, dict[str, in
 _BOUNDED_REQUESTS = ("CompletionRequest", "ChatCompletionRequest")
 
 
-def install_openapi(app: FastAPI, limits: Limits, max_model_len: int, open_routes: frozenset[str],
+# Request property -> a prompt (not empty) or token IDs (in the vocabulary; /detokenize takes []).
+_PROMPTS = {"CompletionRequest": ("prompt", True), "EmbeddingRequest": ("input", True),
+            "PoolingRequest": ("input", True), "DetokenizeRequest": ("tokens", False)}
+
+
+def install_openapi(app: FastAPI, limits: Limits, model_info: ModelInfo, open_routes: frozenset[str],
                     generation_routes: frozenset[str], api_key_set: bool) -> None:
     """Serve ``app``'s schema with the settings' bounds and the real error answers (built once)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _add_setting_bounds(schema, setting_bounds(limits, max_model_len))
+            _add_setting_bounds(schema, setting_bounds(limits, model_info))
+            components = schema["components"]["schemas"]
+            for model, (prop, non_empty) in _PROMPTS.items():
+                if model in components:
+                    _bound_prompt(components[model]["properties"][prop], model_info.vocab_size, non_empty)
+            components["ChatCompletionRequest"]["properties"]["messages"].update(CHAT_MESSAGES)
             _document_errors(schema, open_routes, generation_routes, api_key_set)
+            _document_streams(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _add_setting_bounds(schema: dict[str, Any], bounds: dict[str, dict[str, int]]) -> None:
+def _add_setting_bounds(schema: dict[str, Any], bounds: dict[str, dict[str, Any]]) -> None:
     components = schema["components"]["schemas"]
     for name in _BOUNDED_REQUESTS:
         properties = components[name]["properties"]
         for prop, extra in bounds.items():
             if prop in properties:
                 properties[prop].update(extra)
+
+
+# What frontend.tokenizer accepts as chat messages (the template may refuse more, e.g. roles out of turn).
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+CHAT_MESSAGES = {"minItems": 1, "items": {
+    "type": "object", "required": ["role"],
+    "properties": {"role": {"type": "string", "minLength": 1, "maxLength": MAX_ROLE_CHARS},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
+                                         {"type": "null"}]}}}}
+
+
+def _bound_prompt(node: Any, vocab_size: int, non_empty: bool) -> None:
+    """Every integer in a prompt's schema a token ID; with ``non_empty``, every string and list not empty."""
+    if isinstance(node, dict):
+        kind = node.get("type")
+        if kind == "string" and non_empty:
+            node["minLength"] = 1
+        elif kind == "array" and non_empty:
+            node["minItems"] = 1
+        elif kind == "integer":
+            node.update(minimum=0, maximum=vocab_size - 1)
+        for child in node.values():
+            _bound_prompt(child, vocab_size, non_empty)
+    elif isinstance(node, list):
+        for child in node:
+            _bound_prompt(child, vocab_size, non_empty)
 
 
 def _add_component(schema: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:
@@ -126,6 +173,33 @@ def _error_codes(path: str, operation: dict[str, Any], open_routes: frozenset[st
     if path in generation_routes:
         codes += ["429", "503"]
     return codes
+
+
+# Route -> the models of its stream's chunks (an OpenAI stream, ending with [DONE]); other
+# streams (Responses', Anthropic's) send one JSON object per named event.
+_STREAM_CHUNKS: dict[str, tuple[type[BaseModel], ...]] = {
+    "/v1/completions": (P.CompletionStreamResponse,),
+    "/v1/chat/completions": (P.ChatCompletionStreamResponse,),
+    "/invocations": (P.ChatCompletionStreamResponse, P.CompletionStreamResponse),
+}
+
+
+def _document_streams(schema: dict[str, Any]) -> None:
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            content = operation["responses"].get("200", {}).get("content", {})
+            if "text/event-stream" not in content:
+                continue
+            json_data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json"}
+            if path in _STREAM_CHUNKS:
+                chunks = [_add_component(schema, model) for model in (*_STREAM_CHUNKS[path], P.ErrorResponse)]
+                json_data["contentSchema"] = {"anyOf": chunks}
+                data = {"anyOf": [{"const": "[DONE]"}, json_data]}
+            else:
+                data = json_data
+            content["text/event-stream"] = {"schema": {
+                "type": "object", "required": ["data"],
+                "properties": {"data": data, "event": {"type": "string"}}}}
 
 
 def json_body(*models: type[BaseModel]) -> dict[str, Any]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, model_serializer
+from pydantic import ConfigDict, Field, model_serializer
 from pydantic.json_schema import SkipJsonSchema
 
 from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now, ranged
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}]})
+
     # Passed to the chat template as they are (frontend.tokenizer.render_chat checks them).
     messages: list[dict[str, Any]]
     # maximum (both): max_model_len.

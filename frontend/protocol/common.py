@@ -4,9 +4,11 @@ generation endpoints, usage, prompt logprobs and the error body (``frontend.prot
 from __future__ import annotations
 
 import time
+import types
+import typing
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from frontend.unicode_check import check_valid_unicode
@@ -17,13 +19,56 @@ def created_now() -> int:
     return int(time.time())
 
 
+def _scalar_kind(annotation: Any) -> Optional[str]:
+    """"bool" for a field typed bool, "number" for int or float (either optionally None), else None."""
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    kinds = {member for member in members if member is not type(None)}
+    if kinds == {bool}:
+        return "bool"
+    return "number" if kinds and kinds <= {int, float} else None
+
+
+_SCALAR_FIELDS: dict[type, dict[str, str]] = {}
+
+
+def _scalar_fields(model: type[BaseModel]) -> dict[str, str]:
+    """``model``'s bool and number fields: their JSON key (alias or name) -> "bool" or "number"."""
+    if model not in _SCALAR_FIELDS:
+        kinds = {(field.alias or name): _scalar_kind(field.annotation) for name, field in model.model_fields.items()}
+        _SCALAR_FIELDS[model] = {key: kind for key, kind in kinds.items() if kind is not None}
+    return _SCALAR_FIELDS[model]
+
+
+class _WrongJsonType:
+    """Stands in for a value of the wrong JSON type, so the field's own validation refuses it
+    (and the 400 names the field); pydantic's lax mode would have converted it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 class RequestModel(BaseModel):
     """A request body (or a part of one): unknown fields are refused, and so is text that is not
-    valid Unicode, in every field of every request model (``frontend.unicode_check``). Values take
-    JSON's types as they are (strict: pydantic's lax mode would read 0 as false and "1" as 1,
-    values /openapi.json calls invalid)."""
+    valid Unicode, in every field of every request model (``frontend.unicode_check``). Booleans
+    and numbers take JSON's types only: pydantic's lax mode would read 0 as false, "1" as 1 and
+    true as 1, values /openapi.json calls invalid (5.0 for an integer stays valid, as in JSON Schema)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_scalar_types(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        wrong = {}
+        for key, kind in _scalar_fields(cls).items():
+            value = data.get(key)
+            if value is not None and (not isinstance(value, bool) if kind == "bool" else isinstance(value, (str, bool))):
+                wrong[key] = _WrongJsonType(value)
+        return {**data, **wrong} if wrong else data
 
     @field_validator("*")
     @classmethod

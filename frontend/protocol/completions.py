@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictInt, StrictStr
 from pydantic.json_schema import SkipJsonSchema
 
 from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now, ranged
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}]})
+
     # A string, a list of strings, token IDs, or a list of token-ID lists.
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
     # OpenAI's and vLLM's default; 0 only with echo (prompt scoring); maximum: max_model_len.
