@@ -6,7 +6,7 @@ with ``Allow``. Generation requests reach 200 (counted on the server's /metrics)
 that every schema-valid body is accepted, since some rules span fields and the schema cannot state
 them (a prompt plus max_tokens within the context, a tool_choice naming one of the tools).
 
-Bounded: the fuzzing phase only, a fixed number of examples per operation (about 20 operations),
+Bounded: the schema's examples and the fuzzing phase, a fixed number of examples per operation (about 20 operations),
 a fixed seed and a wall-clock limit.
 """
 
@@ -20,7 +20,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 from test_cli_serve import served  # noqa: F401 -- the module's one `tandem serve` (tiny random Llama)
 
-EXAMPLES_PER_OPERATION = 5
+EXAMPLES_PER_OPERATION = 3
 # Every check but positive_data_acceptance (above) and max_response_time (speed is never asserted).
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_headers_conformance",
           "response_schema_conformance", "negative_data_rejection", "missing_required_header", "unsupported_method",
@@ -45,13 +45,13 @@ def test_the_served_schema_holds_under_fuzzing(served, tmp_path):  # noqa: F811
     before = answers_by_route(served.base_url)
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"{served.base_url}/openapi.json",
                "--checks", ",".join(CHECKS),
-               "--phases", "fuzzing", "--max-examples", str(EXAMPLES_PER_OPERATION), "--request-timeout", "120",
+               "--phases", "examples,fuzzing", "--max-examples", str(EXAMPLES_PER_OPERATION), "--request-timeout", "120",
                "--exclude-path", "/metrics", "--seed", "1", "--workers", "1", "--no-color"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
     generated = re.search(r"(\d+) generated", report)
-    assert generated and int(generated.group(1)) >= 80, report
+    assert generated and int(generated.group(1)) >= 50, report
 
     after = answers_by_route(served.base_url)
     for route in GENERATION_ROUTES:
