@@ -139,8 +139,8 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     either_json = {"schema": {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionResponse"},
                                         {"$ref": "#/components/schemas/CompletionResponse"}]}}
 
-    @app.post("/invocations", response_model=None, openapi_extra=json_body(P.ChatCompletionRequest, P.CompletionRequest),
-              responses={200: {"content": {"application/json": either_json, **sse}}})
+    @app.post("/invocations", response_model=None,
+              openapi_extra=json_body(P.ChatCompletionRequest, P.CompletionRequest), responses={200: {"content": {"application/json": either_json, **sse}}})
     async def invocations(raw_request: Request) -> Response:
         """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
         return await serving_invocations.create_invocation(raw_request)

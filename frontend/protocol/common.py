@@ -21,8 +21,9 @@ def created_now() -> int:
 
 def _scalar_kind(annotation: Any) -> Optional[str]:
     """"bool" for a field typed bool, "number" for int or float (either optionally None), else None."""
-    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-    kinds = {member for member in members if member is not type(None)}
+    is_union = typing.get_origin(annotation) in (Union, types.UnionType)
+    kinds = {member for member in (typing.get_args(annotation) if is_union else (annotation,))
+             if member is not type(None)}
     if kinds == {bool}:
         return "bool"
     return "number" if kinds and kinds <= {int, float} else None
@@ -66,7 +67,9 @@ class RequestModel(BaseModel):
         wrong = {}
         for key, kind in _scalar_fields(cls).items():
             value = data.get(key)
-            if value is not None and (not isinstance(value, bool) if kind == "bool" else isinstance(value, (str, bool))):
+            if value is None:
+                continue
+            if not isinstance(value, bool) if kind == "bool" else isinstance(value, (str, bool)):
                 wrong[key] = _WrongJsonType(value)
         return {**data, **wrong} if wrong else data
 
