@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from prometheus_client.registry import Collector
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from transformers import PreTrainedTokenizerFast
 
 from backend.types.limits import Limits
@@ -30,6 +30,7 @@ from backend.types.outputs import ModelInfo
 from frontend import protocol as P
 from frontend.engine_client import EngineClient
 from frontend.http_protocol import head_deadline_protocol
+from frontend.openapi import install_openapi, json_body
 from frontend.middleware import (AdmissionMiddleware, AuthenticationMiddleware, BodyReaderMiddleware, HttpMetrics,
                                  MetricsMiddleware, RequestIdMiddleware)
 from frontend.protocol import anthropic as A
@@ -95,14 +96,18 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     app = FastAPI(title="Tandem", version=tandem_version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.serving = context
+    # A generation route's 200: its JSON body, or its SSE events with stream (frontend.openapi describes them).
+    sse = {"text/event-stream": {}}
+    completion_answers = {200: {"model": P.CompletionResponse, "content": sse}}
+    chat_answers = {200: {"model": P.ChatCompletionResponse, "content": sse}}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=completion_answers)
     async def completions(request: P.CompletionRequest, raw_request: Request) -> Response:
         response = await serving_completion.create_completion(request, raw_request)
         response.headers.update(deprecation_headers(request))  # vLLM's legacy guided_* fields
         return response
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=chat_answers)
     async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request) -> Response:
         response = await serving_chat.create_chat_completion(request, raw_request)
         response.headers.update(deprecation_headers(request))  # vLLM's legacy guided_* fields
@@ -131,7 +136,11 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     for path in RERANK_ROUTES:
         app.add_api_route(path, create_rerank, methods=["POST"], response_model=P.RerankResponse)
 
-    @app.post("/invocations", response_model=None)
+    either_json = {"schema": {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionResponse"},
+                                        {"$ref": "#/components/schemas/CompletionResponse"}]}}
+
+    @app.post("/invocations", response_model=None,
+              openapi_extra=json_body(P.ChatCompletionRequest, P.CompletionRequest), responses={200: {"content": {"application/json": either_json, **sse}}})
     async def invocations(raw_request: Request) -> Response:
         """SageMaker's route: a chat body (``messages``) or a completions body (``prompt``)."""
         return await serving_invocations.create_invocation(raw_request)
@@ -165,7 +174,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
         return await serving_messages.count_tokens(request)
 
     app.router.add_api_route("/v1/messages", messages, methods=["POST"], response_model=A.AnthropicMessagesResponse,
-                             route_class_override=anthropic_route)
+                             responses={200: {"content": sse}}, route_class_override=anthropic_route)
     app.router.add_api_route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"],
                              route_class_override=anthropic_route)
 
@@ -195,11 +204,13 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def detokenize(request: P.DetokenizeRequest) -> P.DetokenizeResponse:
         return await serving_tokenization.detokenize(request)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "Serving (no body)."},
+        503: {"model": P.ErrorResponse, "description": "The backend is unavailable or not serving."}})
     async def health() -> Response:
         return await serving_status.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_route() -> Response:
         """The frontend's HTTP and router metrics, then the engines' (``Router.metrics_text``:
         each backend's GetMetrics, labelled by backend). A client without it serves only ours."""
@@ -209,6 +220,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     async def version() -> P.VersionResponse:
         return serving_status.version()
 
+    install_openapi(app, limits, model_info, OPEN_ROUTES, GENERATION_ROUTES, api_key is not None)
     install_error_handlers(app, limits.retry_after_s)
     # Added innermost first: a request meets them in the opposite order (frontend.middleware).
     app.add_middleware(AdmissionMiddleware, paths=GENERATION_ROUTES, limit=limits.max_concurrent_requests,

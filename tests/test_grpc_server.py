@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import LoopThread, free_port
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,6 +41,8 @@ from backend.types.sampling_params import SamplingParams
 from backend.types.tokenizer_files import tokenizer_fingerprint
 from frontend.grpc_client import (BackendError, BackendOverloadedError, BackendUnavailableError, GrpcEngineClient,
                                   error_from_status)
+from protos.grpc.reflection.v1 import reflection_pb2 as reflection_v1_pb2
+from protos.grpc.reflection.v1 import reflection_pb2_grpc as reflection_v1_pb2_grpc
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -313,6 +316,32 @@ def test_health_and_reflection(backend):
                                                timeout=5)
     names = {service.name for service in reply.list_services_response.service}
     assert {"tandem.engine.v1.EngineService", "grpc.health.v1.Health"} <= names
+
+
+def test_reflection_v1_answers_as_v1alpha_does(backend):
+    """grpcurl asks grpc.reflection.v1: same services, same descriptors, errors and order as v1alpha."""
+    def ask(pb2, stub_class):
+        requests = [pb2.ServerReflectionRequest(list_services=""),
+                    pb2.ServerReflectionRequest(file_containing_symbol="tandem.engine.v1.EngineService"),
+                    pb2.ServerReflectionRequest(file_by_filename="tandem/engine/v1/engine.proto"),
+                    pb2.ServerReflectionRequest(file_containing_symbol="no.such.Service")]
+        replies = list(stub_class(backend.channel).ServerReflectionInfo(iter(requests), timeout=5))
+        assert [reply.original_request for reply in replies] == requests  # one answer per request, in order
+        return replies
+
+    v1 = ask(reflection_v1_pb2, reflection_v1_pb2_grpc.ServerReflectionStub)
+    v1alpha = ask(reflection_pb2, reflection_pb2_grpc.ServerReflectionStub)
+    assert [reply.SerializeToString() for reply in v1] == [reply.SerializeToString() for reply in v1alpha]
+
+    names = {service.name for service in v1[0].list_services_response.service}
+    assert names == {"tandem.engine.v1.EngineService", "grpc.health.v1.Health",
+                     "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+    for reply in v1[1:3]:
+        files = [descriptor_pb2.FileDescriptorProto.FromString(blob)
+                 for blob in reply.file_descriptor_response.file_descriptor_proto]
+        assert files[0].name == "tandem/engine/v1/engine.proto"
+        assert "GenerateStream" in [method.name for method in files[0].service[0].method]
+    assert v1[3].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 def test_model_info_describes_the_model_and_its_tokenizer(backend):

@@ -83,14 +83,39 @@ def test_checked_in_stubs_are_fresh():
 
 
 def test_freshness_check_names_edited_and_missing_stubs(tmp_path):
-    for name in generate.STUB_FILES:
-        shutil.copy(generate.STUB_DIR / name, tmp_path / name)
+    for path in generate.all_stub_paths():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(generate.PROTO_ROOT / path, tmp_path / path)
     assert generate.stale_stubs(tmp_path) == []
 
-    with open(tmp_path / "engine_pb2_grpc.py", "a") as f:
+    with open(tmp_path / "tandem/engine/v1/engine_pb2_grpc.py", "a") as f:
         f.write("# hand edit\n")
-    (tmp_path / "engine_pb2.pyi").unlink()
-    assert generate.stale_stubs(tmp_path) == ["engine_pb2.pyi", "engine_pb2_grpc.py"]
+    (tmp_path / "grpc/reflection/v1/reflection_pb2.pyi").unlink()
+    assert generate.stale_stubs(tmp_path) == ["tandem/engine/v1/engine_pb2_grpc.py",
+                                              "grpc/reflection/v1/reflection_pb2.pyi"]
+
+
+def test_reflection_v1_is_v1alpha_under_a_new_package():
+    """Same messages, fields, numbers, types and oneofs: the servicer converts by bytes."""
+    from grpc_reflection.v1alpha import reflection_pb2 as v1alpha
+
+    from protos.grpc.reflection.v1 import reflection_pb2 as v1
+
+    def shape(file_descriptor, package):
+        proto = descriptor_pb2.FileDescriptorProto()
+        file_descriptor.CopyToProto(proto)
+        for field_name in ("name", "package", "options"):
+            proto.ClearField(field_name)
+        for message in proto.message_type:
+            for field in message.field:
+                field.type_name = field.type_name.removeprefix(package)
+        for method in proto.service[0].method:
+            method.input_type = method.input_type.removeprefix(package)
+            method.output_type = method.output_type.removeprefix(package)
+        return proto
+
+    assert v1.DESCRIPTOR.name == "grpc/reflection/v1/reflection.proto"
+    assert shape(v1.DESCRIPTOR, ".grpc.reflection.v1.") == shape(v1alpha.DESCRIPTOR, ".grpc.reflection.v1alpha.")
 
 
 def test_descriptor_file_name_matches_the_package_path():

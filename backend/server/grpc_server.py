@@ -29,12 +29,12 @@ from typing import Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from backend.engine.async_llm_engine import AsyncLLMEngine
 from backend.server import grpc_logs
 from backend.server.auth import ServerSecurity
 from backend.server.metrics import EngineMetrics
+from backend.server.reflection import enable_reflection
 from backend.server.servicer import SERVICE_NAME, EngineServicer, engine_service_handler
 from backend.types.config import EngineConfig
 from backend.types.limits import Limits
@@ -103,8 +103,7 @@ class BackendServer:
         server = grpc.aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers((engine_service_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            server)
+        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)  # v1 and v1alpha
         try:
             self.port = self.security.add_port(server, f"{self.host}:{self.port}")
         except RuntimeError:  # gRPC says only "Failed to bind"

@@ -2,12 +2,13 @@
 
 Field names, types and defaults mirror OpenAI's API plus vLLM's extensions.
 Every field a request model declares takes effect, except those in
-``UNSUPPORTED_FIELDS``, which are declared (so the schema shows them) and
-refused with a 400 naming them when set; an undeclared field is refused too.
+``UNSUPPORTED_FIELDS``, which are declared (so a 400 names them when set) and
+left out of /openapi.json; an undeclared field is refused too.
 ``IGNORED_FIELDS`` are the few accepted without effect, as OpenAI metadata.
 Value ranges are not checked here: ``SamplingParams`` checks them and names the
 parameter, so the HTTP server and the offline ``LLM`` reject the same values
-with the same words. Text is: any string in any request field (nested ones,
+with the same words; ``ranged`` states them in the schema (``frontend.openapi``
+adds the bounds that are settings). Text is: any string in any request field (nested ones,
 dict keys included) that is not valid Unicode is refused naming the field.
 
 One module per endpoint family, as in ``frontend.serving`` (``common`` holds what

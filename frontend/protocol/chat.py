@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, model_serializer
+from pydantic import ConfigDict, Field, model_serializer
+from pydantic.json_schema import SkipJsonSchema
 
-from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now
+from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now, ranged
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}]})
+
     # Passed to the chat template as they are (frontend.tokenizer.render_chat checks them).
     messages: list[dict[str, Any]]
-    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: Optional[int] = None
+    # maximum (both): max_model_len.
+    max_tokens: Optional[int] = ranged(minimum=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[int] = ranged(minimum=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = ranged(minimum=-1)  # -1: the whole vocabulary; maximum: --max-logprobs
     tools: Optional[list[dict[str, Any]]] = None
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None: auto with tools
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
@@ -26,17 +31,17 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # UNSUPPORTED_FIELDS
-    reasoning_effort: Optional[str] = None
-    include_reasoning: Optional[bool] = None
-    documents: Optional[list[dict[str, Any]]] = None
-    mm_processor_kwargs: Optional[dict[str, Any]] = None
-    functions: Optional[list[dict[str, Any]]] = None
-    function_call: Optional[Any] = None
-    audio: Optional[dict[str, Any]] = None
-    modalities: Optional[list[str]] = None
-    prediction: Optional[dict[str, Any]] = None
-    web_search_options: Optional[dict[str, Any]] = None
+    # UNSUPPORTED_FIELDS: refused when set, so not in the schema.
+    reasoning_effort: SkipJsonSchema[Optional[str]] = None
+    include_reasoning: SkipJsonSchema[Optional[bool]] = None
+    documents: SkipJsonSchema[Optional[list[dict[str, Any]]]] = None
+    mm_processor_kwargs: SkipJsonSchema[Optional[dict[str, Any]]] = None
+    functions: SkipJsonSchema[Optional[list[dict[str, Any]]]] = None
+    function_call: SkipJsonSchema[Optional[Any]] = None
+    audio: SkipJsonSchema[Optional[dict[str, Any]]] = None
+    modalities: SkipJsonSchema[Optional[list[str]]] = None
+    prediction: SkipJsonSchema[Optional[dict[str, Any]]] = None
+    web_search_options: SkipJsonSchema[Optional[dict[str, Any]]] = None
 
 
 class FunctionCall(ResponseModel):

@@ -4,9 +4,12 @@ generation endpoints, usage, prompt logprobs and the error body (``frontend.prot
 from __future__ import annotations
 
 import time
+import types
+import typing
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from frontend.unicode_check import check_valid_unicode
 
@@ -16,11 +19,59 @@ def created_now() -> int:
     return int(time.time())
 
 
+def _scalar_kind(annotation: Any) -> Optional[str]:
+    """"bool" for a field typed bool, "number" for int or float (either optionally None), else None."""
+    is_union = typing.get_origin(annotation) in (Union, types.UnionType)
+    kinds = {member for member in (typing.get_args(annotation) if is_union else (annotation,))
+             if member is not type(None)}
+    if kinds == {bool}:
+        return "bool"
+    return "number" if kinds and kinds <= {int, float} else None
+
+
+_SCALAR_FIELDS: dict[type, dict[str, str]] = {}
+
+
+def _scalar_fields(model: type[BaseModel]) -> dict[str, str]:
+    """``model``'s bool and number fields: their JSON key (alias or name) -> "bool" or "number"."""
+    if model not in _SCALAR_FIELDS:
+        kinds = {(field.alias or name): _scalar_kind(field.annotation) for name, field in model.model_fields.items()}
+        _SCALAR_FIELDS[model] = {key: kind for key, kind in kinds.items() if kind is not None}
+    return _SCALAR_FIELDS[model]
+
+
+class _WrongJsonType:
+    """Stands in for a value of the wrong JSON type, so the field's own validation refuses it
+    (and the 400 names the field); pydantic's lax mode would have converted it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 class RequestModel(BaseModel):
     """A request body (or a part of one): unknown fields are refused, and so is text that is not
-    valid Unicode, in every field of every request model (``frontend.unicode_check``)."""
+    valid Unicode, in every field of every request model (``frontend.unicode_check``). Booleans
+    and numbers take JSON's types only: pydantic's lax mode would read 0 as false, "1" as 1 and
+    true as 1, values /openapi.json calls invalid (5.0 for an integer stays valid, as in JSON Schema)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_scalar_types(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        wrong = {}
+        for key, kind in _scalar_fields(cls).items():
+            value = data.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, bool) if kind == "bool" else isinstance(value, (str, bool)):
+                wrong[key] = _WrongJsonType(value)
+        return {**data, **wrong} if wrong else data
 
     @field_validator("*")
     @classmethod
@@ -32,6 +83,15 @@ class RequestModel(BaseModel):
 
 
 INT64 = Field(default=None, ge=-2**63, le=2**63 - 1)
+
+
+def ranged(default: Any = None, **bounds: float) -> Any:
+    """A field whose /openapi.json schema states the range ``SamplingParams`` (or the endpoint)
+    enforces: ``minimum``, ``maximum``, ``exclusiveMinimum`` (JSON Schema's names). Only the schema
+    says it here: the check, and its message naming the parameter, stay in one place, shared with
+    the offline ``LLM``. Bounds that are settings (``n`` up to ``--max-n``, ...) are added per
+    served app by ``frontend.openapi``."""
+    return Field(default, json_schema_extra=bounds)
 
 # vLLM request fields Tandem does not implement: a 400 names them when they are set
 # (to anything but null). The value says why, in the error message.
@@ -103,14 +163,15 @@ class StructuredOutputsRequest(RequestModel):
 
 
 class Unsupported(RequestModel):
-    """The fields of ``UNSUPPORTED_FIELDS`` (declared for the schema, refused when set)."""
+    """The fields of ``UNSUPPORTED_FIELDS``: declared, so a 400 names them when set, and left out
+    of /openapi.json (``SkipJsonSchema``), which lists only what takes effect."""
 
-    allowed_token_ids: Optional[list[int]] = None
-    bad_words: Optional[list[str]] = None
-    logits_processors: Optional[list[Any]] = None
-    priority: Optional[int] = None
-    kv_transfer_params: Optional[dict[str, Any]] = None
-    vllm_xargs: Optional[dict[str, Any]] = None
+    allowed_token_ids: SkipJsonSchema[Optional[list[int]]] = None
+    bad_words: SkipJsonSchema[Optional[list[str]]] = None
+    logits_processors: SkipJsonSchema[Optional[list[Any]]] = None
+    priority: SkipJsonSchema[Optional[int]] = None  # 0 (the default priority) is accepted
+    kv_transfer_params: SkipJsonSchema[Optional[dict[str, Any]]] = None
+    vllm_xargs: SkipJsonSchema[Optional[dict[str, Any]]] = None
 
 
 class LegacyGuidedFields(RequestModel):
@@ -126,18 +187,18 @@ class LegacyGuidedFields(RequestModel):
     # "auto" or "xgrammar" (the one backend), optionally with vLLM's options after a colon:
     # "xgrammar:disable-any-whitespace,no-fallback".
     guided_decoding_backend: Optional[str] = None
-    guided_whitespace_pattern: Optional[str] = None  # UNSUPPORTED_FIELDS
+    guided_whitespace_pattern: SkipJsonSchema[Optional[str]] = None  # UNSUPPORTED_FIELDS
 
 
 class SamplingFields(Unsupported, LegacyGuidedFields):
     """Sampling fields both generation endpoints take; None means the engine default."""
 
     model: Optional[str] = None
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    n: int = ranged(1, minimum=1)  # maximum: --max-n
+    temperature: Optional[float] = ranged(minimum=0.0)
+    top_p: Optional[float] = ranged(exclusiveMinimum=0.0, maximum=1.0)
+    presence_penalty: Optional[float] = ranged(minimum=-2.0, maximum=2.0)
+    frequency_penalty: Optional[float] = ranged(minimum=-2.0, maximum=2.0)
     seed: Optional[int] = INT64
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
@@ -148,26 +209,30 @@ class SamplingFields(Unsupported, LegacyGuidedFields):
     structured_outputs: Optional[StructuredOutputsRequest] = None
     # Beam search (vLLM's): n beams; best_of: sample best_of and return the n most likely.
     use_beam_search: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[int] = ranged(minimum=1)  # maximum: --max-n
     length_penalty: float = 1.0
-    prompt_logprobs: Optional[int] = None
-    logprob_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = ranged(minimum=-1)  # -1: the whole vocabulary; maximum: --max-logprobs
+    logprob_token_ids: Optional[list[int]] = Field(  # maxItems: --max-logprob-token-ids
+        None, json_schema_extra={"minItems": 1, "items": {"type": "integer", "minimum": 0}})
     # Token ID (as a string, OpenAI's form) -> a bias in [-100, 100] added to its logit.
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = Field(  # maxProperties: --max-logit-bias
+        None, json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}})
     return_token_ids: bool = False  # token IDs of the prompt and of each choice
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
-    truncate_prompt_tokens: Optional[int] = None  # keep k prompt tokens (-1: max_model_len)
+    truncate_prompt_tokens: Optional[int] = ranged(minimum=-1)  # keep k prompt tokens (-1: max_model_len)
     # vLLM's: which end truncate_prompt_tokens cuts; "left" (None: the same) keeps the last k, "right" the first k.
     truncation_side: Optional[Literal["left", "right"]] = None
     request_id: Optional[str] = None  # the response's ID (and the engine's), instead of a random one
     add_special_tokens: Optional[bool] = None  # None: True for completions, False for chat
     # vLLM's extras.
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
+    top_k: Optional[int] = ranged(minimum=-1)  # -1 and 0: off
+    min_p: Optional[float] = ranged(minimum=0.0, maximum=1.0)
+    repetition_penalty: Optional[float] = ranged(exclusiveMinimum=0.0)
+    min_tokens: int = ranged(0, minimum=0)
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[int]] = Field(  # maxItems: --max-stop-sequences
+        None, json_schema_extra={"items": {"type": "integer", "minimum": 0}})
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

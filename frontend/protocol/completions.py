@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, StrictInt, StrictStr, model_serializer
+from pydantic import ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic.json_schema import SkipJsonSchema
 
-from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now
+from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now, ranged
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}]})
+
     # A string, a list of strings, token IDs, or a list of token-ID lists.
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    max_tokens: Optional[int] = 16  # OpenAI's and vLLM's default; 0 only with echo (prompt scoring)
+    # OpenAI's and vLLM's default; 0 only with echo (prompt scoring); maximum: max_model_len.
+    max_tokens: Optional[int] = ranged(16, minimum=0)
     echo: bool = False
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None  # UNSUPPORTED_FIELDS
-    prompt_embeds: Optional[Any] = None  # UNSUPPORTED_FIELDS
+    logprobs: Optional[int] = ranged(minimum=0)  # maximum: --max-logprobs
+    suffix: SkipJsonSchema[Optional[str]] = None  # UNSUPPORTED_FIELDS
+    prompt_embeds: SkipJsonSchema[Optional[Any]] = None  # UNSUPPORTED_FIELDS
 
 
 class CompletionLogProbs(ResponseModel):

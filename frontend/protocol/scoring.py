@@ -1,8 +1,8 @@
 """vLLM's /score and the Jina/Cohere-style /rerank: the request and response bodies.
 
 Both score texts by the cosine similarity of their embeddings (the served model is a bi-encoder
-here, never a cross-encoder); the fields vLLM defines only for cross-encoders are declared, so
-the schema shows them, and refused when set (``CROSS_ENCODER_FIELDS``).
+here, never a cross-encoder); the fields vLLM defines only for cross-encoders are declared, so a
+400 names them when set (``CROSS_ENCODER_FIELDS``), and left out of the schema.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, StrictInt, StrictStr
+from pydantic.json_schema import SkipJsonSchema
 
 from frontend.protocol.common import RequestModel, ResponseModel, created_now
 from frontend.protocol.embeddings import EmbeddingUsage
@@ -28,11 +29,11 @@ class ScoringFields(RequestModel):
     pooling_type: Literal["last", "mean"] = "last"
     # Refused when set: CROSS_ENCODER_FIELDS, and priority other than 0 and mm_processor_kwargs
     # (UNSUPPORTED_FIELDS).
-    use_activation: Optional[bool] = None
-    activation: Optional[bool] = None
-    softmax: Optional[bool] = None
-    priority: Optional[int] = None
-    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    use_activation: SkipJsonSchema[Optional[bool]] = None
+    activation: SkipJsonSchema[Optional[bool]] = None
+    softmax: SkipJsonSchema[Optional[bool]] = None
+    priority: SkipJsonSchema[Optional[int]] = None  # 0 (the default priority) is accepted
+    mm_processor_kwargs: SkipJsonSchema[Optional[dict[str, Any]]] = None
 
 
 class ScoreRequest(ScoringFields):

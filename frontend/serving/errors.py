@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from backend.types.errors import (EngineDeadError, InvalidRequestError, ModelNotFoundError, OverloadedError,
                                   RequestFailedError, RequestTimeoutError, TandemError)
@@ -122,7 +123,15 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         return error_json_response(400, error_body(400, message, param))
 
     async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_json_response(error.status_code, error_body(error.status_code, str(error.detail)))
+        response = error_json_response(error.status_code, error_body(error.status_code, str(error.detail)))
+        response.headers.update(error.headers or {})
+        if error.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
+            # RFC 9110: Allow lists every method the path takes; Starlette names only the first
+            # matching route's (GET and DELETE /v1/responses/{id} are two routes).
+            methods = {method for route in request.app.routes if isinstance(route, Route)
+                       and route.path_regex.match(request.url.path) for method in route.methods or ()}
+            response.headers["Allow"] = ", ".join(sorted(methods))
+        return response
 
     async def on_client_gone(request: Request, error: ClientDisconnectedError) -> Response:
         return Response(status_code=HTTP_STATUS_CLIENT_CLOSED_REQUEST)
