@@ -38,6 +38,7 @@ import triton.language as tl
 from tandem_kernels.launch_config import int4_matmul_config
 
 GROUP = 32  # weights per (d, m) pair along K
+_GROUP = tl.constexpr(GROUP)  # the same, for the kernel (globals a kernel reads are constexprs)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float16, torch.float32)  # int4, int4f
 # The interpreter (Triton 3.9) mishandles half-precision dots: bf16 operands give results wrong by
@@ -78,15 +79,15 @@ def _int4_matmul_kernel(out_ptr, x_ptr, qweight_ptr, scales_ptr, bias_ptr, M, N,
     row_ok = rows < M
     col_ok = cols < N
     byte = tl.arange(0, HALF)  # [HALF] byte of a step: group byte // 16, nibble pair byte % 16
-    lo_k = (byte // 16) * GROUP + byte % 16  # [HALF] the element its low nibble holds, in the step
-    groups = K // GROUP
+    lo_k = (byte // 16) * _GROUP + byte % 16  # [HALF] the element its low nibble holds, in the step
+    groups = K // _GROUP
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     q_rows = qweight_ptr + cols.to(tl.int64)[:, None] * (K // 2)  # [BLOCK_N, 1]
     s_rows = scales_ptr + cols.to(tl.int64)[:, None] * (groups * 2)  # [BLOCK_N, 1]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        group = k0 // GROUP + byte // 16  # [HALF] each byte's (d, m) group
+        group = k0 // _GROUP + byte // 16  # [HALF] each byte's (d, m) group
         if EVEN_K:
             x_mask = row_ok[:, None]
             w_mask = col_ok[:, None]
@@ -98,7 +99,7 @@ def _int4_matmul_kernel(out_ptr, x_ptr, qweight_ptr, scales_ptr, bias_ptr, M, N,
         d = tl.load(s_rows + group[None, :] * 2, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, HALF]
         m = tl.load(s_rows + group[None, :] * 2 + 1, mask=w_mask, other=0.0).to(tl.float32)
         x_lo = tl.load(x_rows + k0 + lo_k[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, HALF]
-        x_hi = tl.load(x_rows + k0 + GROUP // 2 + lo_k[None, :], mask=x_mask, other=0.0)
+        x_hi = tl.load(x_rows + k0 + _GROUP // 2 + lo_k[None, :], mask=x_mask, other=0.0)
         w_lo = (packed & 15).to(tl.float32) * d + m  # [BLOCK_N, HALF]
         w_hi = (packed >> 4).to(tl.float32) * d + m
         if UPCAST:  # the interpreter (see INTERPRET): the same values, in fp32

@@ -194,8 +194,9 @@ def int4_matmul_config(m: int, n: int, k: int) -> Int4MatmulConfig:
 
     - decode (m <= 16): memory-bound on the packed weight; 16-row tiles of x and narrow weight
       bands (16 rows up to n = 4096) so a 1B model's 2048-wide layers still give 128 programs.
-    - m <= 64: 64 x 64 tiles.
-    - larger (prompts): 128 x 128 tiles on 8 warps, 64 inputs a step.
+    - m <= 64: 64 x 64 tiles, 64 inputs a step (128 spill ~100 bytes on sm_80).
+    - larger (prompts): 128 x 128 tiles on 8 warps, 32 inputs a step (64 spill ~80 bytes on sm_80
+      at 3 stages; at 32, 128 / 115 registers on sm_80 / sm_90a).
     k only bounds block_k (a 32-multiple no wider than k, rounded up to a power of two for tl.arange).
     """
     if m < 1 or n < 1 or k < 32 or k % 32:
@@ -203,9 +204,9 @@ def int4_matmul_config(m: int, n: int, k: int) -> Int4MatmulConfig:
     if m <= 16:
         block_m, block_n, block_k, num_warps, num_stages = 16, 16 if n <= 4096 else 32, 256, 4, 3
     elif m <= 64:
-        block_m, block_n, block_k, num_warps, num_stages = 64, 64, 128, 4, 3
+        block_m, block_n, block_k, num_warps, num_stages = 64, 64, 64, 4, 3
     else:
-        block_m, block_n, block_k, num_warps, num_stages = 128, 128, 64, 8, 3
+        block_m, block_n, block_k, num_warps, num_stages = 128, 128, 32, 8, 3
     block_k = min(block_k, max(32, next_power_of_2(k)))
     return Int4MatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, group_m=8,
                             num_warps=num_warps, num_stages=num_stages)
