@@ -116,7 +116,7 @@ def test_launches_use_launch_config(rows):
             assert (c["GROUP"], c["BLOCK_Q"], c["BLOCK_M"], c["TILE"], c["HEAD_DIM_PAD"]) == (
                 group, config.block_q, config.block_m, config.tile_n, config.head_dim_pad), where(r)
             assert (r["num_warps"], r["num_stages"]) == (config.num_warps, config.num_stages), where(r)
-        elif r["kernel"] == INT4:  # case "int4 linear, R rows"; block_m, warps and stages follow R alone
+        elif r["kernel"] == INT4:  # case "int4[f] linear, R rows"; block_m, warps and stages follow R alone
             config = int4_matmul_config(int(r["case"].split()[2]), 2048, 2048)
             assert (c["BLOCK_M"], r["num_warps"], r["num_stages"]) == (
                 config.block_m, config.num_warps, config.num_stages), where(r)

@@ -225,9 +225,9 @@ def _record_int4(shape: ModelShape, dtype: torch.dtype, sink: list[Launch]) -> N
     layers = [((shape.heads + 2 * shape.kv_heads) * d, shape.hidden), (shape.hidden, shape.heads * d),
               (2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)]  # (N, K)
     for rows in INT4_ROWS:
-        with _recording(f"int4 linear, {rows} rows", sink):
-            for n, k in layers:
-                for scale_dtype in (torch.float16, torch.float32):
+        for layout, scale_dtype in (("int4", torch.float16), ("int4f", torch.float32)):
+            with _recording(f"{layout} linear, {rows} rows", sink):
+                for n, k in layers:
                     int4_matmul.int4_linear(torch.zeros(rows, k, dtype=dtype), torch.zeros(n, k // 2, dtype=torch.uint8),
                                             torch.zeros(n, k // 32, 2, dtype=scale_dtype), None)
 
