@@ -16,6 +16,7 @@ another, and x is loaded in the same two orders, giving two tl.dot calls a step:
     bytes  [n, 16 g + i]  --& 15-->  w_lo [n, 16 g + i] = w[n, 32 g + i]       x_lo[m, 16 g + i] = x[m, 32 g + i]
                           -->> 4-->  w_hi [n, 16 g + i] = w[n, 32 g + 16 + i]  x_hi[m, 16 g + i] = x[m, 32 g + 16 + i]
 
+Each group's (d, m) is loaded once a step ([BLOCK_N, BLOCK_K / 32]) and spread over its 16 bytes.
 Each weight is d * q + m in fp32 (d * q is exact: one rounding, the reference's value), rounded to
 x's dtype (the model with its dequantized weights in the serving dtype: the reference's rounding
 for bf16 and fp16 x), then the products are summed in fp32 on the tensor cores and the bias added
@@ -64,6 +65,7 @@ def _int4_matmul_kernel(out_ptr, x_ptr, qweight_ptr, scales_ptr, bias_ptr, M, N,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         UPCAST: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
     # Programs in bands of GROUP_M along M sweep the same weight rows together (L2 reuse).
     pid = tl.program_id(0)
     programs_m = tl.cdiv(M, BLOCK_M)
@@ -96,8 +98,13 @@ def _int4_matmul_kernel(out_ptr, x_ptr, qweight_ptr, scales_ptr, bias_ptr, M, N,
             x_mask = row_ok[:, None] & k_ok[None, :]
             w_mask = col_ok[:, None] & k_ok[None, :]
         packed = tl.load(q_rows + k0 // 2 + byte[None, :], mask=w_mask, other=0)  # [BLOCK_N, HALF] uint8
-        d = tl.load(s_rows + group[None, :] * 2, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, HALF]
-        m = tl.load(s_rows + group[None, :] * 2 + 1, mask=w_mask, other=0.0).to(tl.float32)
+        # (d, m) once per group, then spread over its 16 bytes: [BLOCK_N, GROUPS] -> [BLOCK_N, HALF]
+        step_group = k0 // _GROUP + tl.arange(0, GROUPS)  # [GROUPS]
+        s_mask = col_ok[:, None] & (step_group < groups)[None, :]
+        d = tl.load(s_rows + step_group[None, :] * 2, mask=s_mask, other=0.0).to(tl.float32)  # [BLOCK_N, GROUPS]
+        m = tl.load(s_rows + step_group[None, :] * 2 + 1, mask=s_mask, other=0.0).to(tl.float32)
+        d = tl.reshape(tl.broadcast_to(d[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF))
+        m = tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF))
         x_lo = tl.load(x_rows + k0 + lo_k[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, HALF]
         x_hi = tl.load(x_rows + k0 + _GROUP // 2 + lo_k[None, :], mask=x_mask, other=0.0)
         w_lo = (packed & 15).to(tl.float32) * d + m  # [BLOCK_N, HALF]
