@@ -108,3 +108,14 @@ def test_int4_matmul_realistic(dtype, m, n, k):
         fn = R.int4_linear if not int4f else gguf_reference.int4f_linear
         want = fn(x, qweight, scales, b)  # the twin on the GPU: same values, torch's sum order
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_benchmark_runs_under_the_interpreter(capsys):
+    """bench/int4_matmul.py --tiny: the GPU benchmark's code path, on the CPU (numbers meaningless)."""
+    from bench import int4_matmul as bench
+
+    assert bench.main(["--tiny"]) == 0
+    table = capsys.readouterr().out
+    lines = [line.split(" | ") for line in table.splitlines() if line.startswith("| tiny 80x96 |")]
+    assert [cells[1] for cells in lines] == ["1", "5"]
+    assert all(float(cells[2]) < 0.1 for cells in lines)  # outputs ~10: within an ulp of bf16
