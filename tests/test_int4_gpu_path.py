@@ -116,3 +116,33 @@ def test_cuda_serves_awq_and_gptq_packed(checkpoints, case, enforce_eager):
     outputs = run_engine(engine, prompts, params)
     assert [len(tokens) for tokens in outputs] == [8, 8, 8]
     engine.shutdown()
+
+
+def prompt_logprobs(engine, prompt) -> torch.Tensor:
+    engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    got = next(o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None)
+    return torch.tensor([position[token].logprob for position, token in zip(got[1:], prompt[1:])])
+
+
+def test_an_int4_engine_runs_through_the_triton_kernel_on_the_cpu(tiny_checkpoint, monkeypatch):
+    """A rehearsal of the CUDA path's matmuls: every int4 linear of a bf16 engine (qwen2: q, k, v
+    biases; the LM head too) sent to the Triton kernel under the interpreter gives the prompt
+    logprobs of the C++ kernels, to bf16 rounding."""
+    from tandem_kernels import int4_matmul, ops
+
+    model_dir = tiny_checkpoint("qwen2")
+    prompt = random_prompts([12], 384)[0]
+    want = prompt_logprobs(make_engine(model_dir, quantization="int4", dtype="bfloat16"), prompt)
+    calls = []
+
+    def triton_int4(x, qweight, scales, bias):
+        calls.append(tuple(qweight.shape))
+        return int4_matmul.int4_linear(x, qweight, scales, bias)
+
+    monkeypatch.setattr(ops, "int4_linear", triton_int4)
+    got = prompt_logprobs(make_engine(model_dir, quantization="int4", dtype="bfloat16"), prompt)
+    assert len(set(calls)) >= 4  # qkv, o, gate_up, down (and the LM head)
+    torch.testing.assert_close(got, want, atol=0.02, rtol=0)
