@@ -93,12 +93,7 @@ def test_cuda_int4_engine_computes_hf_on_the_dequantized_weights(tiny_checkpoint
     linears = [m for m in engine.executor.worker.runner.model.modules() if hasattr(m, "linear_method")]
     assert linears and all(m.int4_weight.is_cuda and m.int4_scales.is_cuda for m in linears)
     prompt = random_prompts([40], 384)[0]
-    engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
-    got = next(o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None)
-    got = torch.tensor([position[token].logprob for position, token in zip(got[1:], prompt[1:])])
+    got = prompt_logprobs(engine, prompt)
     torch.testing.assert_close(got, hf_prompt_logprobs(dequantized, prompt), atol=tolerance, rtol=0)
 
 
