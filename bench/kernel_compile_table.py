@@ -28,7 +28,7 @@ if __name__ == "__main__":  # run as a script, bench/ is sys.path[0]: the reposi
 from tandem_kernels.compile_probe import DTYPES, SHAPES, SHARED_LIMIT, probe, supported_targets
 
 TARGET_NAMES = {80: "sm_80", 90: "sm_90a", 100: "sm_100a"}
-SHOWN_CONSTEXPRS = ("GROUP", "BLOCK_M", "TILE", "SPLIT", "BLOCK", "HEAD_DIM_PAD", "HAS_RESIDUAL")
+SHOWN_CONSTEXPRS = ("GROUP", "BLOCK_M", "TILE", "SPLIT", "BLOCK", "HEAD_DIM_PAD", "HAS_RESIDUAL", "BLOCK_N", "BLOCK_K", "EVEN_K")
 
 
 def mma_kinds(instructions: list[str]) -> str:

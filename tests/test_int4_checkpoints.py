@@ -208,12 +208,15 @@ def test_a_mismatching_quantization_is_refused(checkpoints, tiny_checkpoint):
         resolve_config(EngineConfig(model=str(path), tensor_parallel_size=2))
 
 
-def test_cuda_refuses_awq_naming_it(checkpoints, monkeypatch):
+def test_cuda_takes_awq_in_half_precision_only(checkpoints, monkeypatch):
+    """On CUDA the Triton int4 kernel serves AWQ with bf16 / fp16 activations; fp32 is refused by name."""
     path, _ = checkpoints("awq-g64")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(InvalidRequestError, match="quantization='awq'.*CPU only.*no GPU kernel for AWQ"):
-        resolve_config(EngineConfig(model=str(path)))
+    config = resolve_config(EngineConfig(model=str(path)))
+    assert (config.quantization, config.device_type, config.torch_dtype_name) == ("awq", "cuda", "bfloat16")
+    with pytest.raises(InvalidRequestError, match="quantization='awq'.*CUDA with bfloat16 or float16.*float32"):
+        resolve_config(EngineConfig(model=str(path), dtype="float32"))
 
 
 def test_a_plain_layer_beside_packed_ones_runs_its_weight(tiny_checkpoint, tmp_path):

@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 from tandem_kernels import compile_probe
-from tandem_kernels.launch_config import attention_config, merge_config
+from tandem_kernels.launch_config import attention_config, int4_matmul_config, merge_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # (targets, dtypes) per run of the script; every model shape in each.
 MATRIX = [("90", "bf16,fp16,fp32"), ("80,100", "bf16")]
 ATTENTION = "_attention_kernel"
+INT4 = "_int4_matmul_kernel"
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +116,14 @@ def test_launches_use_launch_config(rows):
             assert (c["GROUP"], c["BLOCK_Q"], c["BLOCK_M"], c["TILE"], c["HEAD_DIM_PAD"]) == (
                 group, config.block_q, config.block_m, config.tile_n, config.head_dim_pad), where(r)
             assert (r["num_warps"], r["num_stages"]) == (config.num_warps, config.num_stages), where(r)
+        elif r["kernel"] == INT4:  # case "int4[f] linear, R rows"; block_m, warps and stages follow R alone
+            config = int4_matmul_config(int(r["case"].split()[2]), 2048, 2048)
+            assert (c["BLOCK_M"], r["num_warps"], r["num_stages"]) == (
+                config.block_m, config.num_warps, config.num_stages), where(r)
         else:
             continue
         checked.add(r["kernel"])
-    assert checked == {ATTENTION, "_merge_splits_kernel"}
+    assert checked == {ATTENTION, "_merge_splits_kernel", INT4}
 
 
 def test_the_probe_refuses_the_interpreter():

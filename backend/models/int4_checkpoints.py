@@ -26,7 +26,8 @@ is exact as well, so the kernel's weight is the format's value bit for bit:
 each quantized layer (a fused qkv / gate_up from its parts, in shard order) its packed form as
 ``GgufLinearMethod`` reads it (``layer.gguf_int4`` / ``layer.gguf_int4f``), marks its weight
 ``weight_is_packed`` (never loaded, never touched, so never resident) and passes the other
-tensors on. GPU kernels for these layouts do not exist yet: the CUDA path refuses them.
+tensors on. On CUDA both forms run the Triton dequant-GEMM (tandem_kernels.int4_matmul); the packs are
+copied to the device by ``GgufLinearMethod``.
 """
 
 from __future__ import annotations

@@ -26,12 +26,15 @@
                               measured (1-128: ~3x at batch 1, ~1.5x at 32 and more on an AMD
                               EPYC without AMX); elsewhere the plain weight, AVX2's kernel.
                               Approximate: no float model computes the same.
-    Int4LinearMethod          CPU, ``quantization="int4"``: 4-bit weights, round to nearest per row
+    Int4LinearMethod          CPU and CUDA, ``quantization="int4"``: 4-bit weights, round to nearest per row
                               and 32-wide group, asymmetric (GGUF Q4_1's form: fp16 d and m, 5 bits
                               a weight; backend/models/int4_weights.py); fp32 or bf16 activations
                               (kernels/tandem_kernels/csrc/int4_linear.cpp): the matmul with the
                               dequantized weight (rounded to bf16 for bf16 activations: exact
-                              products, vdpbf16ps where the CPU has it), summed in fp32, rounded once
+                              products, vdpbf16ps where the CPU has it), summed in fp32, rounded once;
+                              on CUDA bf16 or fp16 activations, the Triton dequant-GEMM
+                              (kernels/tandem_kernels/int4_matmul.py: same contract; compiled for
+                              sm_80 / sm_90a in CI, not yet run on a GPU)
     GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
                               packed for the int4 kernel, its Q4_K layers as 4-bit codes with fp32
                               scales, Q5_K / Q6_K / Q8_0 (and mixed) layers in a grouped int8
@@ -40,7 +43,8 @@
                               dequantized weight with the dtype's method; also
                               ``quantization="awq"`` / ``"gptq"``: a checkpoint's AWQ / GPTQ 4-bit
                               layers repacked exactly into the int4 / int4f forms
-                              (backend/models/int4_checkpoints.py)
+                              (backend/models/int4_checkpoints.py). On CUDA the int4 / int4f
+                              layers run the Triton kernel; int8g layers their dequantized weight
 
 oneDNN keeps every primitive it creates, one per (weight shape, row count), in two caches (its
 own and ideep's), 1,024 entries each by default and ~1 MB per entry here: under traffic whose
@@ -61,6 +65,7 @@ from typing import Optional
 import torch
 
 import tandem_kernels.cpu
+from tandem_kernels import ops as kernels
 from backend.models.int4_weights import quantize_int4
 from backend.models.linear import LinearBase, LinearMethod
 
@@ -158,17 +163,17 @@ class W8A8LinearMethod(Int8LinearMethod):
 
 
 class Int4LinearMethod(LinearMethod):
+    """The int4 layout (and int4f, its fp32-scale form) on the device the layer's weight is on:
+    ``tandem_kernels.ops.int4_linear`` (the C++ kernels on a CPU, the Triton dequant-GEMM on CUDA)."""
     name = "int4"
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        if not tandem_kernels.cpu.available():
-            raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
-                               f"{tandem_kernels.cpu.unavailable_reason()}")
+        require_int4_kernels(self.name, layer.weight.device)
         layer.int4_weight, layer.int4_scales = quantize_int4(layer.weight.detach())
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return tandem_kernels.cpu.int4_linear(x, layer.int4_weight, layer.int4_scales, bias)
+        return kernels.int4_linear(x, layer.int4_weight, layer.int4_scales, bias)
 
 
 class GgufLinearMethod(Int4LinearMethod):
@@ -178,27 +183,36 @@ class GgufLinearMethod(Int4LinearMethod):
         self.unpacked = unpacked  # for the layers the file does not hold as Q4_0 / Q4_1
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """The packs (CPU tensors: the checkpoint's, or the GGUF repack cache's) move to the
+        layer's device. On CUDA an int8g layer (GGUF Q5_K / Q6_K / Q8_0 parts; no GPU kernel for
+        that layout yet) drops its pack and runs the weight loaded beside it, dequantized."""
+        device = layer.weight.device
         packed = getattr(layer, "gguf_int4", None)
         for layout in ("int8g", "int4f"):
-            if getattr(layer, f"gguf_{layout}", None) is not None:
-                layer.gguf_layout, (layer.gguf_codes, layer.gguf_scales) = layout, getattr(layer, f"gguf_{layout}")
-                delattr(layer, f"gguf_{layout}")
-                release_weight(layer)
-                return
+            pack = getattr(layer, f"gguf_{layout}", None)
+            if pack is None:
+                continue
+            delattr(layer, f"gguf_{layout}")
+            if layout == "int8g" and device.type != "cpu":
+                break
+            if layout == "int4f":
+                require_int4_kernels(self.name, device)
+            layer.gguf_layout, (layer.gguf_codes, layer.gguf_scales) = layout, tuple(t.to(device) for t in pack)
+            release_weight(layer)
+            return
         if packed is None:
             self.unpacked.process_weights_after_loading(layer)
             return
-        if not tandem_kernels.cpu.available():
-            raise RuntimeError(f"quantization={self.name!r} needs the fused CPU kernels: "
-                               f"{tandem_kernels.cpu.unavailable_reason()}")
-        layer.int4_weight, layer.int4_scales = packed
+        require_int4_kernels(self.name, device)
+        layer.int4_weight, layer.int4_scales = (t.to(device) for t in packed)
         del layer.gguf_int4
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if hasattr(layer, "gguf_codes"):
-            kernel = getattr(tandem_kernels.cpu, f"gguf_{layer.gguf_layout}_linear")
-            return kernel(x, layer.gguf_codes, layer.gguf_scales, bias)
+            if layer.gguf_layout == "int4f":
+                return kernels.int4_linear(x, layer.gguf_codes, layer.gguf_scales, bias)
+            return tandem_kernels.cpu.gguf_int8g_linear(x, layer.gguf_codes, layer.gguf_scales, bias)
         if hasattr(layer, "int4_weight"):
             return super().apply(layer, x, bias)
         return self.unpacked.apply(layer, x, bias)
@@ -210,6 +224,16 @@ class GgufLinearMethod(Int4LinearMethod):
 
 
 QUANTIZED_METHODS = {"int8": Int8LinearMethod, "w8a8": W8A8LinearMethod, "int4": Int4LinearMethod}
+# Served on CUDA too: the int4 layout's Triton kernel (tandem_kernels.int4_matmul).
+GPU_QUANTIZATIONS = ("int4", "gguf", "awq", "gptq")
+
+
+def require_int4_kernels(name: str, device: torch.device) -> None:
+    """On a CPU the int4 kernels are the fused C++ ones: refuse where they do not build. CUDA's
+    Triton kernel needs nothing here (and a CUDA process must not build the C++ ones)."""
+    if device.type == "cpu" and not tandem_kernels.cpu.available():
+        raise RuntimeError(f"quantization={name!r} needs the fused CPU kernels: "
+                           f"{tandem_kernels.cpu.unavailable_reason()}")
 
 
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
@@ -235,8 +259,11 @@ def release_weight(layer: LinearBase) -> None:
 
 def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Optional[str]) -> LinearMethod:
     if quantization is not None:
-        if device.type != "cpu" or not tandem_kernels.cpu.available():
-            raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only")
+        if device.type == "cuda" and quantization in GPU_QUANTIZATIONS:
+            pass  # the Triton int4 kernel
+        elif device.type != "cpu" or not tandem_kernels.cpu.available():
+            raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only "
+                             f"({', '.join(GPU_QUANTIZATIONS)}: on CUDA too)")
         if quantization in ("gguf", "awq", "gptq"):  # packed by gguf_packed.py / int4_checkpoints.py
             method = GgufLinearMethod(linear_method_for(device, dtype, None))
             method.name = quantization

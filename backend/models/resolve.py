@@ -10,6 +10,7 @@ import torch
 
 from backend.models.gguf_packed import MODEL_TYPES
 from backend.models.int4_checkpoints import METHODS as CHECKPOINT_METHODS, QuantizationConfigError, checkpoint_method
+from backend.models.linear_methods import GPU_QUANTIZATIONS
 from backend.models.loader import PlainModelConfig, load_hf_config, resolve_model, resolve_tokenizer
 from backend.models.registry import parallel_size_problem
 from backend.types.config import EngineConfig, cpu_has_native_bf16
@@ -59,21 +60,28 @@ def _resolve_device_and_dtype(config: EngineConfig) -> None:
         config.torch_dtype_name = "bfloat16"
     else:
         config.torch_dtype_name = "float32"
-    if config.quantization in CHECKPOINT_METHODS and config.device_type != "cpu":
-        raise InvalidRequestError(
-            f"quantization={config.quantization!r} (the checkpoint's {config.quantization.upper()} 4-bit weights) "
-            f"runs on the CPU only: Tandem has no GPU kernel for {config.quantization.upper()}'s layout yet; "
-            "pass device='cpu'.", param="quantization")
-    if config.quantization is not None and (config.device_type != "cpu" or
-                                            config.torch_dtype_name not in ("float32", "bfloat16")):
-        raise InvalidRequestError(
-            f"quantization={config.quantization!r} is implemented for the CPU with float32 or bfloat16 "
-            f"activations; got device {config.device_type}, dtype {config.torch_dtype_name}.",
-            param="quantization")
+    _check_quantization_device(config)
     if config.kv_cache_dtype != "auto" and config.device_type != "cpu":
         raise InvalidRequestError(
             f"kv_cache_dtype={config.kv_cache_dtype!r} is implemented for the CPU; the GPU's "
             "attention kernels read caches in the model's dtype only.", param="kv_cache_dtype")
+
+
+def _check_quantization_device(config: EngineConfig) -> None:
+    """Quantized weights run on the CPU with float32 or bfloat16 activations; the 4-bit ones
+    (GPU_QUANTIZATIONS: the int4 layout's Triton kernel) also on CUDA with bfloat16 or float16."""
+    if config.quantization is None:
+        return
+    if config.device_type == "cpu" and config.torch_dtype_name in ("float32", "bfloat16"):
+        return
+    if (config.device_type == "cuda" and config.quantization in GPU_QUANTIZATIONS
+            and config.torch_dtype_name in ("bfloat16", "float16")):
+        return
+    raise InvalidRequestError(
+        f"quantization={config.quantization!r} is implemented for the CPU with float32 or bfloat16 activations"
+        f"{'' if config.quantization in GPU_QUANTIZATIONS else ' only'}"
+        f"{', and for CUDA with bfloat16 or float16' if config.quantization in GPU_QUANTIZATIONS else ''}; "
+        f"got device {config.device_type}, dtype {config.torch_dtype_name}.", param="quantization")
 
 
 def _resolve_checkpoint_quantization(config: EngineConfig) -> None:

@@ -79,7 +79,8 @@ FIELD_HELP = {
                     "32-wide group with an fp16 scale and min, quantized at load) or gguf (model= a Llama "
                     ".gguf file: its Q4_0/Q4_1 weights served packed by the int4 kernel, the rest "
                     "dequantized), awq or gptq (a checkpoint's 4-bit AWQ/GPTQ weights served packed; "
-                    "set from its config.json) (default: the checkpoint's precision)",
+                    "set from its config.json); on CUDA int4, gguf, awq and gptq also run, with bfloat16 or "
+                    "float16 activations (a Triton kernel) (default: the checkpoint's precision)",
     "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
                       "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
                       "in the same memory, half the bytes attention reads); approximate; CPU only",

@@ -34,10 +34,10 @@ from typing import Any, Iterator
 
 import torch
 
-from tandem_kernels import activations, attention, cache_ops, norms, rotary
+from tandem_kernels import activations, attention, cache_ops, int4_matmul, norms, rotary
 from tandem_kernels.reference import VarlenPlan, kv_cache_shape
 
-LAUNCHER_MODULES = (attention, cache_ops, norms, rotary, activations)
+LAUNCHER_MODULES = (attention, cache_ops, norms, rotary, activations, int4_matmul)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Largest dynamic shared memory one block may use (the opt-in maximum: A100, H100/H200, B200).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
@@ -69,6 +69,12 @@ SHAPES = [
     ModelShape("Phi-3-mini (d=96)", 32, 32, 96, 3072, 8192, 96),
     ModelShape("Gemma-2B (d=256)", 8, 1, 256, 2048, 16384, 256),
 ]
+
+# The int4 dequant-GEMM at a few real shapes only (its specializations depend on the row count and
+# the weight's width, not the head shape): these models' layers, decode / batch / prompt rows, int4
+# (fp16 scales) and int4f (fp32); bf16 and fp16 x only (the GPU kernel takes no fp32 x).
+INT4_MODELS = ("Llama-3.2-1B", "Llama-3.1-8B")
+INT4_ROWS = (1, 64, 512)
 
 # (label, per request (tokens cached before, tokens this step), KV splits or None for the kernel's choice)
 ATTENTION_CASES = [
@@ -208,7 +214,22 @@ def record_launches(shape: ModelShape, dtype: torch.dtype) -> list[Launch]:
         norms.rms_norm(x, weight, 1e-6)
         norms.fused_add_rms_norm(x, x.clone(), weight, 1e-6)
         activations.silu_and_mul(torch.zeros(tokens, 2 * shape.intermediate, dtype=dtype))
+    if shape.name in INT4_MODELS and dtype != torch.float32:
+        _record_int4(shape, dtype, sink)
     return sink
+
+
+def _record_int4(shape: ModelShape, dtype: torch.dtype, sink: list[Launch]) -> None:
+    """The int4 linears of one layer (qkv, o, gate_up, down) at INT4_ROWS rows, int4 and int4f."""
+    d = shape.head_dim
+    layers = [((shape.heads + 2 * shape.kv_heads) * d, shape.hidden), (shape.hidden, shape.heads * d),
+              (2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)]  # (N, K)
+    for rows in INT4_ROWS:
+        for layout, scale_dtype in (("int4", torch.float16), ("int4f", torch.float32)):
+            with _recording(f"{layout} linear, {rows} rows", sink):
+                for n, k in layers:
+                    int4_matmul.int4_linear(torch.zeros(rows, k, dtype=dtype), torch.zeros(n, k // 2, dtype=torch.uint8),
+                                            torch.zeros(n, k // 32, 2, dtype=scale_dtype), None)
 
 
 def _jit_kwargs(kernel, kwargs: dict) -> dict:

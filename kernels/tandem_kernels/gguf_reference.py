@@ -45,8 +45,9 @@ def int4f_dequantize(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
 
 def int4f_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``int8g_linear``'s contract with int4f_dequantize's weights."""
+    """``int8g_linear``'s contract with int4f_dequantize's weights (fp16 x, the GPU kernel's: the
+    weights rounded to fp16 as bf16 x's are to bf16)."""
     weight = int4f_dequantize(qweight, scales)
-    if x.dtype == torch.bfloat16:
-        weight = weight.bfloat16().float()
+    if x.dtype in (torch.bfloat16, torch.float16):
+        weight = weight.to(x.dtype).float()
     return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)

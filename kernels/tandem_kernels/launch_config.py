@@ -174,3 +174,41 @@ class HeadsConfig:
 def heads_config(num_heads: int, width: int) -> HeadsConfig:
     """4 warps, Triton's default (these kernels move a few KB a token; not tuned on a GPU yet)."""
     return HeadsConfig(heads_pad=next_power_of_2(num_heads), width_pad=next_power_of_2(width), num_warps=4)
+
+
+@dataclass(frozen=True)
+class Int4MatmulConfig:
+    """One int4 dequant-GEMM specialization (see ``tandem_kernels.int4_matmul``)."""
+
+    block_m: int  # rows of x per program (>= 16: tl.dot's minimum)
+    block_n: int  # weight rows (outputs) per program
+    block_k: int  # inputs per inner-loop step: a multiple of 32 (whole (d, m) groups)
+    group_m: int  # programs along M that share a band of weight rows (L2 reuse)
+    num_warps: int
+    num_stages: int
+
+
+def int4_matmul_config(m: int, n: int, k: int) -> Int4MatmulConfig:
+    """Tiles for y [m, n] = x [m, k] @ dequant(W)^T. Not tuned on a GPU yet (none has been lent);
+    chosen by reasoning and checked for spills by the compile test:
+
+    - decode (m <= 16): memory-bound on the packed weight; 16-row tiles of x and narrow weight
+      bands (16 rows up to n = 4096) so a 1B model's 2048-wide layers still give 128 programs.
+    - m <= 64: 64 x 64 tiles, 64 inputs a step (with 128, an earlier form of the kernel spilled
+      ~100 bytes on sm_80).
+    - larger (prompts): 128 x 128 tiles on 8 warps, 32 inputs a step (64 spilled ~80 bytes on sm_80).
+    Registers / spills / shared memory per specialization: ``python bench/kernel_compile_table.py
+    --models Llama`` (at these tiles 55-183 registers, no spills, <= 38 KB on sm_80 / 90a / 100a).
+    k only bounds block_k (a 32-multiple no wider than k, rounded up to a power of two for tl.arange).
+    """
+    if m < 1 or n < 1 or k < 32 or k % 32:
+        raise ValueError(f"int4_matmul_config({m}, {n}, {k}): sizes must be >= 1 and k a multiple of 32")
+    if m <= 16:
+        block_m, block_n, block_k, num_warps, num_stages = 16, 16 if n <= 4096 else 32, 256, 4, 3
+    elif m <= 64:
+        block_m, block_n, block_k, num_warps, num_stages = 64, 64, 64, 4, 3
+    else:
+        block_m, block_n, block_k, num_warps, num_stages = 128, 128, 32, 8, 3
+    block_k = min(block_k, max(32, next_power_of_2(k)))
+    return Int4MatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, group_m=8,
+                            num_warps=num_warps, num_stages=num_stages)

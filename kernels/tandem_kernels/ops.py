@@ -4,7 +4,7 @@ This is the one place that dispatches by device; models call these functions
 and nothing else:
 
 - CUDA tensors -> the Triton kernels (``attention``, ``cache_ops``, ``norms``,
-  ``rotary``, ``activations``: imported on first use, so a CPU process never loads Triton),
+  ``rotary``, ``activations``, ``int4_matmul``: imported on first use, so a CPU process never loads Triton),
   never the C++ CPU kernels (``_cpu_fast`` checks the device before it builds them);
 - CPU tensors -> the fused C++ kernels (``tandem_kernels.cpu``, built once per
   machine) when they are available;
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from tandem_kernels import cpu, reference
+from tandem_kernels import cpu, gguf_reference, reference
 from tandem_kernels.reference import (AttentionPlan, VarlenPlan, kv_cache_shape, plan_varlen,  # noqa: F401
                                rotary_cos_sin)
 
@@ -78,6 +78,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _cpu_fast(x):
         return cpu.silu_and_mul(x)
     return reference.silu_and_mul(x)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] @ W^T + bias, W the int4 layout (qweight [N, K / 2] uint8, scales [N, K / 32, 2]):
+    fp16 scales are ``reference.int4_linear``'s contract, fp32 ones (int4f)
+    ``gguf_reference.int4f_linear``'s. CUDA: the Triton dequant-GEMM (bf16 / fp16 x)."""
+    int4f = scales.dtype == torch.float32
+    if x.is_cuda:
+        return _triton("int4_matmul").int4_linear(x, qweight, scales, bias)
+    if _cpu_fast(x):
+        return (cpu.gguf_int4f_linear if int4f else cpu.int4_linear)(x, qweight, scales, bias)
+    return (gguf_reference.int4f_linear if int4f else reference.int4_linear)(x, qweight, scales, bias)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -194,12 +194,13 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] float32 or bf16 @ int4_dequantize(qweight, scales)^T + bias -> [M, N] in x's dtype:
-    the products and sums in fp32, rounded once. With bf16 x the dequantized weights are rounded to
-    bf16 first (the model with its dequantized weights in bf16), so every product is exact."""
+    """x [M, K] float32, bf16 or fp16 @ int4_dequantize(qweight, scales)^T + bias -> [M, N] in x's
+    dtype: the products and sums in fp32, rounded once. With bf16 (or fp16, the GPU kernel's) x the
+    dequantized weights are rounded to x's dtype first (the model with its dequantized weights in
+    that dtype), so every product is exact."""
     weight = int4_dequantize(qweight, scales)
-    if x.dtype == torch.bfloat16:
-        weight = weight.bfloat16().float()
+    if x.dtype in (torch.bfloat16, torch.float16):
+        weight = weight.to(x.dtype).float()
     out = F.linear(x.float(), weight, None if bias is None else bias.float())
     return out.to(x.dtype)
 
