@@ -177,25 +177,32 @@ def start_stand_in(tokenizer_dir: str, step_ms: float = 0.0, timeout: float = 60
 def start_frontend(backend_port: int, tokenizer_dir: str, extra_args: list[str] = (),
                    timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
     """``tandem frontend`` against the backend; returns it and its base URL once /health answers 200."""
-    import httpx
-
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "frontend.entrypoints.cli", "frontend",
                              "--backend", f"127.0.0.1:{backend_port}", "--port", str(port),
                              "--tokenizer", tokenizer_dir, "--log-level", "warning", *extra_args], cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
+    return proc, wait_healthy(proc, url, timeout, "the frontend")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, log: Optional[Path] = None) -> str:
+    """``url`` once its /health answers 200; RuntimeError (``proc`` killed) if ``proc`` exits first,
+    with the tail of ``log`` if given, or the timeout passes."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the frontend exited with {proc.returncode}")
+            said = f": {log.read_text()[-500:]}" if log is not None and log.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}{said}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"the frontend did not become healthy within {timeout:.0f} s")
+    raise RuntimeError(f"{what} did not become healthy within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -29,12 +29,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
 from frontend_capacity import (DEFAULT_TOKENIZER, REPO_ROOT, WORKLOADS, drive, format_row, free_port,
-                               requests_for, start_frontend, start_stand_in, stop, tiny_tokenizer)
+                               requests_for, start_frontend, start_stand_in, stop, tiny_tokenizer, wait_healthy)
 
 COMPOSE_NGINX_CONF = REPO_ROOT / "deploy" / "nginx.conf"
 
@@ -82,20 +81,7 @@ http {{
 }}
 """)
     proc = subprocess.Popen([nginx, "-p", str(directory), "-c", str(directory / "nginx.conf")])
-    deadline = time.monotonic() + timeout
-    import httpx
-
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"nginx exited with {proc.returncode}: {(directory / 'error.log').read_text()[-500:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("nginx did not answer within the timeout")
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", timeout, "nginx", log=directory / "error.log")
 
 
 def nginx_pids(master: subprocess.Popen) -> list[int]:
