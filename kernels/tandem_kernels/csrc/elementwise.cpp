@@ -1,8 +1,9 @@
 // The row-wise ops: rms_norm and fused_add_rms_norm (HF's rounding order), rotary_embedding (NeoX
 // and GPT-J pairing, in place), silu_and_mul (an MLP's gate | up), argmax_rows (greedy sampling).
 //
-// Norms, SiLU and argmax work on float and bf16 rows 16 lanes at a time (simd.h), half rows one
-// value at a time; with -ffp-contract=off norms and rotary give the fp32 reference's bits.
+// Norms, SiLU and argmax work on float and bf16 rows 16 lanes at a time (simd.h; SiLU and argmax 8
+// at a time without AVX-512), half rows one value at a time; with -ffp-contract=off norms and
+// rotary give the fp32 reference's bits.
 
 #include "ops.h"
 #include "simd.h"
@@ -169,7 +170,7 @@ inline vf16 silu_wide(vf16 x) {
 // the dtype first (as F.silu(gate) * up).
 template <typename T>
 void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t d, float* buf) {
-  if constexpr (kWideRows<T>) {
+  if constexpr (kWideRows<T> && kWideNative) {  // else the 8-lane path below: the same bits
     int64_t k = 0;
     for (; k + kLanesWide <= d; k += kLanesWide) {
       const vf16 g = load16f(gate + k);
@@ -219,7 +220,7 @@ int64_t argmax_row(const T* x, int64_t n) {
   float best = -INFINITY;
   int64_t at = 0, k = 0;
   bool nan = false;
-  if constexpr (kWideRows<T>) {
+  if constexpr (kWideRows<T> && kWideNative) {
     vf16 top = vf16{} - INFINITY;
     vi16 top_at{}, lane{};
     for (int j = 0; j < kLanesWide; ++j) lane[j] = j;
@@ -234,6 +235,24 @@ int64_t argmax_row(const T* x, int64_t n) {
     for (int j = 0; j < kLanesWide; ++j) {
       nan = nan || nans[j];
       if (top[j] > best || (top[j] == best && top_at[j] < at)) best = top[j], at = top_at[j];
+    }
+  } else if constexpr (kWideRows<T>) {  // the same, as two 8-lane halves (kWideNative)
+    vf top_lo = vsplat(-INFINITY), top_hi = top_lo;
+    vi at_lo{}, at_hi{}, lane{}, nans{};
+    for (int j = 0; j < kLanes; ++j) lane[j] = j;
+    for (; k + 2 * kLanes <= n; k += 2 * kLanes, lane += int32_t{2 * kLanes}) {
+      const vf lo = load8f(x + k), hi = load8f(x + k + kLanes);
+      const vi higher_lo = lo > top_lo, higher_hi = hi > top_hi;
+      top_lo = higher_lo ? lo : top_lo;
+      at_lo = higher_lo ? lane : at_lo;
+      top_hi = higher_hi ? hi : top_hi;
+      at_hi = higher_hi ? lane + int32_t{kLanes} : at_hi;
+      nans |= (lo != lo) | (hi != hi);
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      nan = nan || nans[j];
+      if (top_lo[j] > best || (top_lo[j] == best && at_lo[j] < at)) best = top_lo[j], at = at_lo[j];
+      if (top_hi[j] > best || (top_hi[j] == best && at_hi[j] < at)) best = top_hi[j], at = at_hi[j];
     }
   }
   for (; k < n; ++k) {
