@@ -29,7 +29,7 @@ class Request:
                  "arrival_time", "cache_salt", "status", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "num_inflight_tokens", "num_placeholders", "num_cached_tokens",
                  "num_preemptions", "block_hashes", "finish_reason", "stop_reason", "prompt_logprobs",
-                 "first_token_time", "scheduled_time", "draft_token_ids")
+                 "first_token_time", "scheduled_time", "draft_token_ids", "stop_filter")
 
     def __init__(
         self,
@@ -69,6 +69,8 @@ class Request:
         self.scheduled_time: Optional[float] = None  # time.monotonic() of its first schedule
         # Speculative tokens proposed for the next step (not part of the sequence until accepted).
         self.draft_token_ids: list[int] = []
+        # What can end it on a decode token (backend.engine.decode_step.stop_filter), once asked.
+        self.stop_filter: Optional[tuple[frozenset, int]] = None
 
     @property
     def num_tokens(self) -> int:

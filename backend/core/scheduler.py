@@ -78,10 +78,20 @@ class Scheduler:
         running, req_blocks, block_size = self.running, self.block_manager.req_blocks, self.block_manager.block_size
         while i < len(running) and budget > 0:
             request = running[i]
-            left = _num_unscheduled(request)
-            if left <= 0 or (request.num_placeholders and self._at_length_limit(request)):
+            known, placeholders = request.all_token_ids, request.num_placeholders
+            start = request.num_computed_tokens + request.num_inflight_tokens
+            left = len(known) + placeholders - start  # tokens neither computed nor in flight
+            if left <= 0 or (placeholders and self._at_length_limit(request)):
                 i += 1  # everything is in flight, or its last token is
                 continue
+            if left == 1 and not request.draft_token_ids:
+                # The common case, one decode token: often its last block has room (no allocation).
+                held = req_blocks.get(request.request_id)
+                if held is not None and start < len(held) * block_size:
+                    scheduled.append(self._make_decode(request, start, held))
+                    budget -= 1
+                    i += 1
+                    continue
             num_new = min(left, budget)
             if request.draft_token_ids:
                 if num_new == left:
@@ -90,14 +100,6 @@ class Scheduler:
                     num_new += len(request.draft_token_ids)
                 else:
                     request.draft_token_ids.clear()
-            else:  # the common case, a decode token: often its last block has room (no allocation)
-                held = req_blocks.get(request.request_id)
-                if held is not None and (request.num_computed_tokens + request.num_inflight_tokens
-                                         + num_new <= len(held) * block_size):
-                    scheduled.append(self._make_scheduled(request, num_new, held))
-                    budget -= num_new
-                    i += 1
-                    continue
             while not self.block_manager.allocate_slots(request, num_new):
                 if request.draft_token_ids:  # speculation never costs another request its place
                     num_new -= len(request.draft_token_ids)
@@ -164,6 +166,23 @@ class Scheduler:
             return True
         return request.num_tokens + request.num_placeholders >= self.max_model_len
 
+    @staticmethod
+    def _make_decode(request: Request, start: int, held: list[int]) -> ScheduledRequest:
+        """``_make_scheduled`` for one token at ``start``, the sequence's last (so it samples),
+        no drafts, in a block it holds (``held``: its block table)."""
+        placeholders = request.num_placeholders
+        known = request.all_token_ids
+        scheduled = ScheduledRequest(
+            request.request_id,
+            [known[start]] if start < len(known) else [PLACEHOLDER_TOKEN_ID],
+            start, held, True, request.sampling_params, request.prompt_token_ids,
+            request.output_token_ids, request.eos_token_id, 0,
+            len(request.output_token_ids) + placeholders,
+        )
+        request.num_inflight_tokens += 1
+        request.num_placeholders = placeholders + 1
+        return scheduled
+
     def _make_scheduled(self, request: Request, num_new: int, block_ids: Optional[list[int]] = None
                         ) -> ScheduledRequest:
         """The step's share of ``request`` (num_new tokens, drafts included); counts them in flight.
@@ -193,8 +212,3 @@ class Scheduler:
         request.num_placeholders += needs_sample
         return scheduled
 
-
-def _num_unscheduled(request: Request) -> int:
-    """Tokens of the sequence (placeholders included) neither computed nor in flight."""
-    return (len(request.all_token_ids) + request.num_placeholders
-            - request.num_computed_tokens - request.num_inflight_tokens)

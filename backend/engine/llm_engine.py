@@ -278,6 +278,8 @@ class LLMEngine:
         # The decode fast path (apply_decode_token) serves sequences that need nothing but their token.
         plain = not (constrained or self.beams or runner_out.prompt_logprobs or runner_out.pooled)
         num_decoded = 0
+        sampled, logprobs = runner_out.sampled_token_ids, runner_out.logprobs
+        eos_token_ids, max_model_len, block_manager = self.eos_token_ids, self.config.max_model_len, self.block_manager
         for s in step.sched.scheduled:
             request = requests.get(s.request_id)
             if request is None:  # ended since it was scheduled (a sibling failed, it stopped, an abort)
@@ -285,14 +287,13 @@ class LLMEngine:
             if s.request_id in failed:
                 outputs.extend(self._fail_request(request.parent_id, failed[s.request_id]))
                 continue
-            stale = epochs.get(s.request_id, request.num_preemptions) != request.num_preemptions
+            stale = bool(epochs) and epochs.get(s.request_id, request.num_preemptions) != request.num_preemptions
             try:
                 if (plain and not stale and s.needs_sample and len(s.token_ids) == 1 and request.output_token_ids
                         and s.start_pos >= len(request.prompt_token_ids)):
-                    output = apply_decode_token(
-                        request, runner_out.sampled_token_ids[s.request_id][0],
-                        runner_out.logprobs.get(s.request_id) if runner_out.logprobs else None,
-                        self.eos_token_ids, self.config.max_model_len, self.block_manager)
+                    output = apply_decode_token(request, sampled[s.request_id][0],
+                                                logprobs.get(s.request_id) if logprobs else None,
+                                                eos_token_ids, max_model_len, block_manager)
                     outputs.append(output)
                     num_decoded += 1
                     if output.finish_reason is not None:
