@@ -313,8 +313,7 @@ class ModelRunner:
         for request_id, tokens in out.sampled_token_ids.items():
             last_sampled[request_id] = tokens[-1]
         if history is not None and count_penalties:
-            for request_id, tokens in out.sampled_token_ids.items():
-                history.record(request_id, tokens)
+            history.record_all(out.sampled_token_ids)
         for request_id in out.failed:
             self.last_sampled.pop(request_id, None)
 
@@ -343,6 +342,10 @@ class ModelRunner:
             slots = self._penalty_slots([s for s, _, _ in groups], logits.shape[1])
             rows = self._sampling_rows(sample_rows, slots)
             sampled = self.sampler(logits, rows, allowed, self.penalty_history)
+            if len(groups) == len(sample_rows) and all(p is None for p in sampled.logprobs):  # one row each, no logprobs
+                out.sampled_token_ids.update(zip([s.request_id for s, _, _ in sample_rows],
+                                                 [[t] for t in sampled.token_ids]))
+                return
             for s, first, count in groups:
                 self._take_tokens(s, sampled, first, count, out)
             return

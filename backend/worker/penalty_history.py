@@ -63,10 +63,20 @@ class PenaltyHistory:
     def record(self, request_id: str, tokens: Sequence[int]) -> None:
         """A step's sampled tokens of a sequence (ignored unless it holds a slot): counted at the
         next ``update``, before any later step samples."""
-        slot = self.slot_of.get(request_id)
-        if slot is not None:
-            self._pending_slots.extend([slot] * len(tokens))
-            self._pending_tokens.extend(tokens)
+        self.record_all({request_id: tokens})
+
+    def record_all(self, sampled: dict[str, Sequence[int]]) -> None:
+        """``record`` for each (request ID -> its tokens) of a step at once."""
+        slot_of, pending_slots, pending_tokens = self.slot_of, self._pending_slots, self._pending_tokens
+        for request_id, tokens in sampled.items():
+            slot = slot_of.get(request_id)
+            if slot is not None:
+                if len(tokens) == 1:
+                    pending_slots.append(slot)
+                    pending_tokens.append(tokens[0])
+                else:
+                    pending_slots.extend([slot] * len(tokens))
+                    pending_tokens.extend(tokens)
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count tokens [n] (int64, on the device) in slots [n] now, with no host round trip: a

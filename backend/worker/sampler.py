@@ -142,7 +142,7 @@ class Sampler:
 
         if len(random_rows) == num_rows:
             return _sample_random(work, rows, upload)  # [num_rows]; filters our own copy in place
-        token_ids = work.argmax(dim=-1)  # [num_rows]; random rows overwritten below
+        token_ids = kernels.argmax_rows(work)  # [num_rows]; random rows overwritten below
         if random_rows:
             index, = upload([(random_rows, torch.int64)])
             token_ids[index] = _sample_random(work[index], [rows[i] for i in random_rows], upload)
