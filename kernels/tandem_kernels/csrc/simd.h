@@ -126,6 +126,30 @@ inline void store16(c10::BFloat16* p, vf16 v) {
   std::memcpy(p, &h, sizeof h);
 }
 
+// The 8-lane twins of round16 and store16, for the paths taken without AVX-512 (kWideNative).
+template <typename T>
+inline vf round8(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>, "8-lane rows are float or bf16");
+    vu8 u;
+    std::memcpy(&u, &v, sizeof u);
+    u = ((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16) << 16;
+    const vu8 nan = (vu8)(v != v);  // all ones where v is NaN
+    u = (u & ~nan) | (nan & 0x7FC00000u);
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+  }
+}
+inline void store8(float* p, vf v) { vstore(p, v); }
+inline void store8(c10::BFloat16* p, vf v) {
+  vu8 u;
+  std::memcpy(&u, &v, sizeof u);
+  const vh8 h = __builtin_convertvector(u >> 16, vh8);
+  std::memcpy(p, &h, sizeof h);
+}
+
 template <typename T>
 constexpr bool kWideRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
