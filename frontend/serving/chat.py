@@ -152,7 +152,10 @@ class OpenAIServingChat(OpenAIServing):
                 content, pieces = content + more_content, pieces + more_pieces
                 if reply.num_calls and finish_reason == "stop":
                     finish_reason = reply.finish_reason_with_calls
-            if not content and not pieces and not delta.finished and not (request.logprobs and delta.token_ids):
+            # A token that adds no text yet (held back by the detokenizer, a stop string's prefix or
+            # the tool parser) still gets a chunk when its ID or logprobs are asked for, as in vLLM.
+            if (not content and not pieces and not delta.finished
+                    and not ((request.logprobs or request.return_token_ids) and delta.token_ids)):
                 continue
             token_ids = delta.token_ids if request.return_token_ids else None
             if not pieces and not continuous:  # the common chunk: no model objects (frontend.serving.sse)

@@ -125,7 +125,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 if positions is not None:
                     token_ids = run.prompt.token_ids + token_ids
                     positions = self._echo_logprobs(run) + positions
-            if not text and not delta.finished and not (positions and token_ids):
+            # A token that adds no text yet (held back by the detokenizer or a stop string's prefix)
+            # still gets a chunk when its ID or logprobs are asked for, as in vLLM.
+            if not text and not delta.finished and not ((positions or request.return_token_ids) and token_ids):
                 continue
             wants_logprobs = request.logprobs is not None or request.logprob_token_ids is not None
             offset = streamed_chars.get(choice, 0)
