@@ -79,6 +79,27 @@ def test_an_empty_prompt_names_prompt_and_prompt_embeds_as_vllm_does(client, pro
     assert "Either prompt or prompt_embeds must be provided and non-empty" in error["message"]
 
 
+@pytest.mark.parametrize("fields", [
+    {"prompt": None}, {"prompt": None, "prompt_embeds": []}, {"prompt": None, "prompt_embeds": ""},
+    {"prompt_embeds": []}, {"prompt_embeds": None}, {}, {"prompt": "", "prompt_embeds": []},
+    {"prompt": [], "prompt_embeds": ""},
+])
+def test_a_null_or_missing_prompt_and_empty_prompt_embeds_get_the_empty_prompt_error(client, engine, fields):
+    """vLLM answers every form of "no prompt" with the one 400 naming both fields, before any work."""
+    body = {"model": MODEL, "max_tokens": 4, **fields}
+    error = assert_openai_error(client.post("/v1/completions", json=body), 400, "BadRequestError", "prompt")
+    assert "Either prompt or prompt_embeds must be provided and non-empty" in error["message"]
+    assert "prompt_embeds are not supported" in error["message"] and not engine.requests
+
+
+@pytest.mark.parametrize("fields", [{"prompt": None, "prompt_embeds": "AAAA"}, {"prompt": "Hi", "prompt_embeds": []},
+                                    {"prompt_embeds": ["AAAA"]}])
+def test_prompt_embeds_that_are_not_empty_or_beside_a_prompt_are_refused_as_unsupported(client, engine, fields):
+    body = {"model": MODEL, "max_tokens": 4, **fields}
+    error = assert_openai_error(client.post("/v1/completions", json=body), 400, "BadRequestError", "prompt_embeds")
+    assert "prompt_embeds are not supported" in error["message"] and not engine.requests
+
+
 def test_max_tokens_zero_needs_echo(client):
     assert_openai_error(completion(client, max_tokens=0), 400, "BadRequestError", "max_tokens")
 
