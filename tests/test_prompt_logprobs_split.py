@@ -10,8 +10,9 @@ so the whole vocabulary's logprobs over a 40-token prompt (~150 KB) must be spli
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
-from helpers import LoopThread
+from helpers import LoopThread, backend_and_frontend
 
 from backend.engine.async_llm_engine import AsyncLLMEngine
 from backend.server.grpc_server import BackendServer
@@ -162,6 +163,25 @@ def test_the_backend_splits_on_both_rpcs_and_the_client_joins_them(backend):
         joined = [o for o in map(reader.read, streamed_responses) if o is not None]
         assert joined[0].prompt_logprobs[1:] == [{t: Logprob(lp.logprob, rank=lp.rank) for t, lp in p.items()}
                                                  for p in expected[1:]]
+
+
+def test_the_http_answer_holds_the_whole_vocabulary_at_every_prompt_position(backend):
+    """/v1/completions with prompt_logprobs=-1 through a frontend over the 48 KiB-limited backend."""
+    engine, loop, _, limits = backend
+
+    async def in_process():
+        return [o async for o in engine.generate("http-reference", PROMPT, PARAMS)][0].prompt_logprobs
+
+    expected = loop.run(in_process(), timeout=60)
+    with backend_and_frontend(loop, engine, limits) as (_, _, base_url):
+        answer = httpx.post(f"{base_url}/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": -1})
+    assert answer.status_code == 200, answer.text
+    positions = answer.json()["choices"][0]["prompt_logprobs"]
+    assert len(positions) == len(PROMPT) and positions[0] is None
+    for got, want in zip(positions[1:], expected[1:]):
+        assert {int(t): (entry["logprob"], entry["rank"]) for t, entry in got.items()} == {
+            t: (lp.logprob, lp.rank) for t, lp in want.items()}
 
 
 def test_a_client_that_cannot_join_parts_is_refused_before_the_request_runs(backend, monkeypatch):
