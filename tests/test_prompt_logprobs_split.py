@@ -9,12 +9,16 @@ so the whole vocabulary's logprobs over a 40-token prompt (~150 KB) must be spli
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import grpc
 import httpx
 import pytest
 from helpers import LoopThread, backend_and_frontend
 
 from backend.engine.async_llm_engine import AsyncLLMEngine
+from backend.server.generate_stream import GenerateStreamCall
 from backend.server.grpc_server import BackendServer
 from backend.server.proto_convert import prompt_logprobs_bytes_bound, responses_from_output
 from backend.types.config import EngineConfig
@@ -89,6 +93,43 @@ def test_the_bound_holds_the_largest_position():
                                   t: Logprob(-2.5, rank=vocab - t) for t in range(k)}] * 2)
         (response,) = responses_from_output(output, 1, None)
         assert response.prompt_logprobs.ByteSize() <= prompt_logprobs_bytes_bound(3, k, vocab)
+
+
+def test_generate_stream_sends_a_big_entry_in_pieces_and_ends_only_an_unsendable_response():
+    """The writer's packing (``GenerateStreamCall._messages``): every message under the limit, a
+    request at most once per message, each request's responses in order with its status last; a
+    single response larger than any message ends its request RESOURCE_EXHAUSTED (and aborts it)."""
+    limit = 8000
+    aborted = []
+
+    async def abort_requests(request_ids, caller):
+        aborted.extend(request_ids)
+
+    servicer = SimpleNamespace(limits=Limits(max_grpc_message_bytes=limit), metrics=None,
+                               abort_requests=abort_requests)
+    call = GenerateStreamCall(servicer, context=None, caller="me")
+    split = responses_from_output(_output(40, 40), 2, limit - 200)
+    ok = engine_pb2.RequestStatus(code=grpc.StatusCode.OK.value[0])
+    entries = [engine_pb2.RequestDeltas(request_id="small", responses=responses_from_output(_output(1, 1), 1)),
+               engine_pb2.RequestDeltas(request_id="split", responses=split, status=ok),
+               engine_pb2.RequestDeltas(request_id="huge", responses=responses_from_output(_output(5, 1), 1)
+                                        + responses_from_output(_output(40, 40), 2, None)),
+               engine_pb2.RequestDeltas(request_id="after", responses=responses_from_output(_output(2, 1), 1))]
+    messages = asyncio.run(call._messages(entries))
+    assert len(messages) > len(split) and all(m.ByteSize() <= limit for m in messages)
+    seen: dict[str, list] = {}
+    for message in messages:
+        ids = [entry.request_id for entry in message.requests]
+        assert len(ids) == len(set(ids))
+        for entry in message.requests:
+            assert "status" not in seen.get(entry.request_id, [])  # nothing after a request's status
+            seen.setdefault(entry.request_id, []).extend(entry.responses)
+            if entry.HasField("status"):
+                seen[entry.request_id].append("status")
+    assert seen["split"] == list(split) + ["status"]
+    assert seen["small"] == list(entries[0].responses) and seen["after"] == list(entries[3].responses)
+    huge = [entry for message in messages for entry in message.requests if entry.request_id == "huge"]
+    assert huge[-1].status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and aborted == ["huge"]
 
 
 # ---- end to end -----------------------------------------------------------------------------------
