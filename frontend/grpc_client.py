@@ -48,7 +48,7 @@ from backend.types.sampling_params import SamplingParams
 from backend.types.wire import ERROR_PARAM_METADATA_KEY, TOKEN_ENV
 from frontend.channel_security import ChannelSecurity  # noqa: F401 -- part of this module's API
 from frontend.multiplexed_stream import MultiplexedStream, StreamBroken, StreamUnsupported
-from frontend.proto_convert import output_from_response, sampling_params_to_proto
+from frontend.proto_convert import OutputReader, sampling_params_to_proto
 from protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class GrpcEngineClient:
         try:
             request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                                  sampling_params=sampling_params_to_proto(params),
-                                                 cache_salt=cache_salt)
+                                                 cache_salt=cache_salt, accept_split_prompt_logprobs=True)
         except ValueError as error:  # e.g. a negative token ID, which uint32 cannot hold
             raise InvalidRequestError(f"The request cannot be sent to the backend: {error}") from None
         await self._check_backend()
@@ -247,9 +247,12 @@ class GrpcEngineClient:
                              error, request_id)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         call = self._engine.Generate(request, timeout=timeout, metadata=self._metadata)
+        reader = OutputReader(request_id)
         try:
             async for response in call:
-                yield output_from_response(request_id, response)
+                output = reader.read(response)
+                if output is not None:
+                    yield output
         except grpc.aio.AioRpcError as error:
             raise error_from_status(error) from None
         finally:
@@ -265,7 +268,7 @@ class GrpcEngineClient:
             current.half_close()
         if current is None or not current.open:
             current = MultiplexedStream(self._engine, self._metadata, self.limits.max_grpc_message_bytes,
-                                        error_from_code, error_from_status, output_from_response)
+                                        error_from_code, error_from_status, OutputReader)
             self._streams.append(current)
         return current if current.fits(request) else None
 

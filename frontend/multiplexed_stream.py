@@ -29,6 +29,7 @@ import grpc
 
 from backend.types.errors import InvalidRequestError, RequestTimeoutError, TandemError
 from backend.types.outputs import EngineOutput
+from frontend.proto_convert import OutputReader
 from protos.tandem.engine.v1 import engine_pb2
 
 GenerateResponse = engine_pb2.GenerateResponse
@@ -95,17 +96,18 @@ class MultiplexedStream:
     """One GenerateStream call on ``stub``, shared by the requests of ``generate`` (see the module doc).
 
     ``error_from_code`` and ``error_from_call`` are the client's one error mapping;
-    ``to_output(request_id, response)`` turns a response into an ``EngineOutput``.
+    ``reader_of(request_id).read(response)`` turns one request's responses into ``EngineOutput``s
+    (None for a response that only carries a part of what a later one completes).
     """
 
     def __init__(self, stub, metadata: tuple, message_limit: int, error_from_code: ErrorFromCode,
                  error_from_call: Callable[[grpc.aio.AioRpcError], TandemError],
-                 to_output: Callable[[str, GenerateResponse], EngineOutput]) -> None:
+                 reader_of: Callable[[str], OutputReader]) -> None:
         self.opened_at = time.monotonic()
         self.message_limit = message_limit
         self._error_from_code = error_from_code
         self._error_from_call = error_from_call
-        self._to_output = to_output
+        self._reader_of = reader_of
         self._requests: dict[str, _Inbox] = {}  # running requests by ID
         self._outgoing: collections.deque = collections.deque()  # (StreamedGenerateRequest, its size)
         self._aborts: list[str] = []
@@ -153,7 +155,7 @@ class MultiplexedStream:
         self._send_ready.set()
         ended = False  # the backend is done with it (its status came, or the call ended)
         started = False  # it has had output
-        to_output = self._to_output
+        read = self._reader_of(request_id).read
         items = inbox.items
         try:
             while True:
@@ -162,7 +164,9 @@ class MultiplexedStream:
                 arrival = items.popleft()
                 if arrival.__class__ is GenerateResponse:
                     started = True
-                    yield to_output(request_id, arrival)
+                    output = read(arrival)
+                    if output is not None:
+                        yield output
                 elif arrival.__class__ is RequestStatus:
                     ended = True
                     if arrival.code != _OK:

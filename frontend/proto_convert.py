@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from backend.types.outputs import EngineOutput, FinishReason, Logprob, PositionLogprobs
 from backend.types.sampling_params import SamplingParams
 from protos.tandem.engine.v1 import engine_pb2
@@ -53,12 +55,17 @@ def position_logprobs_from_proto(position: engine_pb2.PositionLogprobs) -> Posit
             for entry in (position.token, *position.top_logprobs)}
 
 
-def output_from_response(request_id: str, response: engine_pb2.GenerateResponse) -> EngineOutput:
+def output_from_response(request_id: str, response: engine_pb2.GenerateResponse,
+                         earlier_positions: Optional[list] = None) -> EngineOutput:
     """One response as an ``EngineOutput``. Runs once per token of every stream: the optional
-    parts (logprobs, a stop token, prompt logprobs) are converted only when present."""
+    parts (logprobs, a stop token, prompt logprobs) are converted only when present.
+    ``earlier_positions``: the prompt logprobs' positions of the parts before it (``OutputReader``)."""
     new_logprobs = response.new_logprobs
     prompt_logprobs = None
-    if response.HasField("prompt_logprobs"):
+    if earlier_positions is not None:
+        earlier_positions.extend(response.prompt_logprobs.positions)
+        prompt_logprobs = [None] + [position_logprobs_from_proto(p) for p in earlier_positions]
+    elif response.HasField("prompt_logprobs"):
         prompt_logprobs = [None] + [position_logprobs_from_proto(p) for p in response.prompt_logprobs.positions]
     finish_reason = _FINISH_REASON_FROM_PROTO[response.finish_reason] if response.finish_reason else None
     return EngineOutput(
@@ -67,3 +74,23 @@ def output_from_response(request_id: str, response: engine_pb2.GenerateResponse)
         finish_reason,
         response.stop_token_id if response.HasField("stop_token_id") else None,
         response.num_prompt_tokens, response.num_cached_tokens, prompt_logprobs)
+
+
+class OutputReader:
+    """One request's responses -> its ``EngineOutput``s, joining prompt logprobs the backend split
+    over several responses (``prompt_logprobs_continued``, which this client accepts:
+    ``GenerateRequest.accept_split_prompt_logprobs``): ``read`` holds each part back (None) and
+    returns the output of the part that ends them, with every position in order."""
+
+    __slots__ = ("request_id", "_parts")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._parts: dict[int, list] = {}  # sequence index -> positions (protos) received so far
+
+    def read(self, response: engine_pb2.GenerateResponse) -> Optional[EngineOutput]:
+        if response.prompt_logprobs_continued:
+            self._parts.setdefault(response.index, []).extend(response.prompt_logprobs.positions)
+            return None
+        earlier = self._parts.pop(response.index, None) if self._parts else None
+        return output_from_response(self.request_id, response, earlier)

@@ -79,6 +79,27 @@ def test_an_empty_prompt_names_prompt_and_prompt_embeds_as_vllm_does(client, pro
     assert "Either prompt or prompt_embeds must be provided and non-empty" in error["message"]
 
 
+@pytest.mark.parametrize("fields", [
+    {"prompt": None}, {"prompt": None, "prompt_embeds": []}, {"prompt": None, "prompt_embeds": ""},
+    {"prompt_embeds": []}, {"prompt_embeds": None}, {}, {"prompt": "", "prompt_embeds": []},
+    {"prompt": [], "prompt_embeds": ""},
+])
+def test_a_null_or_missing_prompt_and_empty_prompt_embeds_get_the_empty_prompt_error(client, engine, fields):
+    """vLLM answers every form of "no prompt" with the one 400 naming both fields, before any work."""
+    body = {"model": MODEL, "max_tokens": 4, **fields}
+    error = assert_openai_error(client.post("/v1/completions", json=body), 400, "BadRequestError", "prompt")
+    assert "Either prompt or prompt_embeds must be provided and non-empty" in error["message"]
+    assert "prompt_embeds are not supported" in error["message"] and not engine.requests
+
+
+@pytest.mark.parametrize("fields", [{"prompt": None, "prompt_embeds": "AAAA"}, {"prompt": "Hi", "prompt_embeds": []},
+                                    {"prompt_embeds": ["AAAA"]}])
+def test_prompt_embeds_that_are_not_empty_or_beside_a_prompt_are_refused_as_unsupported(client, engine, fields):
+    body = {"model": MODEL, "max_tokens": 4, **fields}
+    error = assert_openai_error(client.post("/v1/completions", json=body), 400, "BadRequestError", "prompt_embeds")
+    assert "prompt_embeds are not supported" in error["message"] and not engine.requests
+
+
 def test_max_tokens_zero_needs_echo(client):
     assert_openai_error(completion(client, max_tokens=0), 400, "BadRequestError", "max_tokens")
 
@@ -231,11 +252,35 @@ def test_truncation_side_picks_the_end_truncate_prompt_tokens_keeps(client, engi
                         "BadRequestError", "truncation_side")
 
 
-def test_continuous_usage_stats_put_usage_in_every_chunk(client):
-    events = sse_events(completion(client, stream=True, stream_options={"continuous_usage_stats": True}))
+@pytest.mark.parametrize("endpoint", [completion, chat])
+def test_continuous_usage_stats_alone_adds_no_usage_as_in_vllm(client, endpoint):
+    """vLLM reads continuous_usage_stats only together with include_usage."""
+    events = sse_events(endpoint(client, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert len(events) > 2 and all(event["usage"] is None for event in events[:-1] if "usage" in event)
+
+
+@pytest.mark.parametrize("endpoint", [completion, chat])
+def test_continuous_usage_stats_with_include_usage_put_usage_in_every_chunk(client, endpoint):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse_events(endpoint(client, stream=True, stream_options=options))
     usages = [event["usage"] for event in events[:-1]]
-    assert all(usages) and usages[-1]["completion_tokens"] == 4
-    assert [u["completion_tokens"] for u in usages] == sorted(u["completion_tokens"] for u in usages)
+    assert all(usages) and usages[-1]["completion_tokens"] == 4 and not events[-2]["choices"]
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts)
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+
+
+def test_the_chat_role_chunk_reports_no_completion_tokens(client):
+    """The role chunk is written before any text (vLLM's reports 0); each later chunk here
+    carries one token, so its count is the number of text chunks so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse_events(chat(client, stream=True, n=2, stream_options=options))
+    role_chunks = [event for event in events[:-1] if event["choices"] and "role" in event["choices"][0]["delta"]]
+    assert len(role_chunks) == 2
+    assert all(event["usage"]["completion_tokens"] == 0 for event in role_chunks)
+    assert all(event["usage"]["total_tokens"] == event["usage"]["prompt_tokens"] > 0 for event in role_chunks)
+    token_chunks = [event for event in events[2:-1] if event["choices"]]
+    assert [event["usage"]["completion_tokens"] for event in token_chunks] == list(range(1, 9))
 
 
 def test_chat_echo_prefixes_the_last_message_of_the_replys_role(client, engine, tokenizer):

@@ -184,7 +184,9 @@ def test_outputs_mirror_engine_output_model_info_and_load():
     engine_output_fields -= {"pooled"}
     # The first schedule's time is the backend's monotonic clock, read by its own metrics only.
     engine_output_fields -= {"scheduled_time"}
-    assert response_fields == engine_output_fields | {"num_completion_tokens"}
+    # Marks a response that carries a part of the prompt logprobs; the frontend joins the parts
+    # into one EngineOutput (frontend.proto_convert.OutputReader).
+    assert response_fields == engine_output_fields | {"num_completion_tokens", "prompt_logprobs_continued"}
 
     info_fields = set(engine_pb2.GetModelInfoResponse.DESCRIPTOR.fields_by_name)
     # tokenizer_path is local to the backend; GetTokenizer sends the files instead.
@@ -209,7 +211,8 @@ def test_generate_request_with_every_field_set_round_trips():
             choice=engine_pb2.Choice(choices=["yes", "no"]), disable_any_whitespace=True),
     )
     request = engine_pb2.GenerateRequest(request_id="cmpl-1", prompt_token_ids=[1, 4093, 2**32 - 1],
-                                         sampling_params=params, cache_salt="tenant-a")
+                                         sampling_params=params, cache_salt="tenant-a",
+                                         accept_split_prompt_logprobs=True)
     assert _set_fields(params) == set(engine_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
     assert _set_fields(request) == set(engine_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
 
@@ -232,6 +235,7 @@ def test_generate_response_with_every_field_set_round_trips():
         finish_reason=engine_pb2.FINISH_REASON_STOP, stop_token_id=12,
         num_prompt_tokens=3, num_cached_tokens=2, num_completion_tokens=2,
         prompt_logprobs=engine_pb2.PromptLogprobs(positions=[position(4093), position(5)]),
+        prompt_logprobs_continued=True,
     )
     assert _set_fields(response) == set(engine_pb2.GenerateResponse.DESCRIPTOR.fields_by_name)
     assert engine_pb2.GenerateResponse.FromString(response.SerializeToString()) == response

@@ -184,25 +184,53 @@ class GenerateStreamCall:
             await self._ready.wait()
 
     async def _messages(self, entries: list[engine_pb2.RequestDeltas]) -> list[engine_pb2.GenerateStreamResponse]:
-        """``entries`` in as few messages as fit under the message limit. An entry too big for any
-        message ends its request RESOURCE_EXHAUSTED instead (the rest of the call goes on)."""
+        """``entries`` in as few messages as fit under the message limit, in order. An entry too big
+        for one message goes in pieces over consecutive messages (its responses in order, its
+        status with the last); one response too big for any message ends its request
+        RESOURCE_EXHAUSTED instead (the rest of the call goes on)."""
         message = engine_pb2.GenerateStreamResponse(requests=entries)
         if message.ByteSize() <= self.message_limit:
             return [message]
         messages, batch, size = [], [], 0
         for entry in entries:
-            entry_size = entry.ByteSize() + ENTRY_FRAMING_BYTES
-            if entry_size > self.message_limit:
-                entry = await self._too_big(entry)
-                entry_size = entry.ByteSize() + ENTRY_FRAMING_BYTES
-            if batch and size + entry_size > self.message_limit:
-                messages.append(engine_pb2.GenerateStreamResponse(requests=batch))
-                batch, size = [], 0
-            batch.append(entry)
-            size += entry_size
+            for piece in self._pieces(entry):
+                piece_size = piece.ByteSize() + ENTRY_FRAMING_BYTES
+                too_big = piece_size > self.message_limit  # a single response larger than any message
+                if too_big:
+                    piece = await self._too_big(entry)
+                    piece_size = piece.ByteSize() + ENTRY_FRAMING_BYTES
+                # A request appears at most once in a message: its next piece starts the next one.
+                if batch and (size + piece_size > self.message_limit or batch[-1].request_id == piece.request_id):
+                    messages.append(engine_pb2.GenerateStreamResponse(requests=batch))
+                    batch, size = [], 0
+                batch.append(piece)
+                size += piece_size
+                if too_big:
+                    break  # its status is sent: nothing more of it
         if batch:
             messages.append(engine_pb2.GenerateStreamResponse(requests=batch))
         return messages
+
+    def _pieces(self, entry: engine_pb2.RequestDeltas) -> list[engine_pb2.RequestDeltas]:
+        """``entry`` as one piece, or as several that each fit a message where its responses do."""
+        if entry.ByteSize() + ENTRY_FRAMING_BYTES <= self.message_limit:
+            return [entry]
+        frame = engine_pb2.RequestDeltas(request_id=entry.request_id)
+        if entry.HasField("status"):
+            frame.status.CopyFrom(entry.status)
+        room = self.message_limit - ENTRY_FRAMING_BYTES - frame.ByteSize()
+        pieces, current, size = [], [], 0
+        for response in entry.responses:
+            response_size = response.ByteSize() + ENTRY_FRAMING_BYTES
+            if current and size + response_size > room:
+                pieces.append(engine_pb2.RequestDeltas(request_id=entry.request_id, responses=current))
+                current, size = [], 0
+            current.append(response)
+            size += response_size
+        last = engine_pb2.RequestDeltas(request_id=entry.request_id, responses=current)
+        if entry.HasField("status"):
+            last.status.CopyFrom(entry.status)
+        return pieces + [last]
 
     async def _too_big(self, entry: engine_pb2.RequestDeltas) -> engine_pb2.RequestDeltas:
         request_id = entry.request_id

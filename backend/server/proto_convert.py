@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import EngineOutput, FinishReason, Logprob, PositionLogprobs
 from backend.types.pooling import PoolingParams
@@ -58,8 +60,60 @@ def position_logprobs_to_proto(position: PositionLogprobs) -> engine_pb2.Positio
         top_logprobs=[_logprob_to_proto(t, lp) for t, lp in alternatives])
 
 
-def response_from_output(output: EngineOutput, num_completion_tokens: int) -> engine_pb2.GenerateResponse:
-    """One engine delta -> GenerateResponse; ``num_completion_tokens`` is the sequence's running total."""
+def responses_from_output(output: EngineOutput, num_completion_tokens: int,
+                          max_bytes: Optional[int] = None) -> list[engine_pb2.GenerateResponse]:
+    """One engine delta -> its GenerateResponse (``num_completion_tokens``: the sequence's running
+    total), or, when its prompt logprobs make that larger than ``max_bytes`` (None: never split),
+    the split the proto describes (``prompt_logprobs_continued``): responses of at most
+    ``max_bytes`` carrying consecutive parts of the positions, the last with the rest of the delta.
+    Only a single position larger than ``max_bytes`` makes a part larger than that."""
+    response = _response_without_prompt_logprobs(output, num_completion_tokens)
+    if output.prompt_logprobs is None:
+        return [response]
+    response.prompt_logprobs.SetInParent()  # set even for a one-token prompt (no positions)
+    # Position 0 has no logprob (None) and no place on the wire.
+    positions = [position_logprobs_to_proto(p) for p in output.prompt_logprobs[1:]]
+    sizes = [_embedded_size(position.ByteSize()) for position in positions] if max_bytes is not None else []
+    if max_bytes is None or response.ByteSize() + _FIELD_FRAMING_BYTES + sum(sizes) <= max_bytes:
+        response.prompt_logprobs.positions.extend(positions)
+        return [response]
+    num_before = num_completion_tokens - len(output.new_token_ids)  # the parts come before this step's tokens
+    part_overhead = _continued_part(output, num_before, []).ByteSize() + _FIELD_FRAMING_BYTES
+    parts: list[list[engine_pb2.PositionLogprobs]] = []
+    current: list[engine_pb2.PositionLogprobs] = []
+    size = 0
+    for position, position_size in zip(positions, sizes):
+        if current and part_overhead + size + position_size > max_bytes:
+            parts.append(current)
+            current, size = [], 0
+        current.append(position)
+        size += position_size
+    if current and response.ByteSize() + _FIELD_FRAMING_BYTES + size > max_bytes:  # no room beside the delta
+        parts.append(current)
+        current = []
+    response.prompt_logprobs.positions.extend(current)
+    return [_continued_part(output, num_before, part) for part in parts] + [response]
+
+
+# What a length-delimited field adds to its content's size, at most: its tag and a 5-byte length.
+_FIELD_FRAMING_BYTES = 6
+
+
+def _embedded_size(content_bytes: int) -> int:
+    """Bytes a message of ``content_bytes`` takes as a repeated field entry: tag, varint length, content."""
+    return 1 + max(1, (content_bytes.bit_length() + 6) // 7) + content_bytes
+
+
+def _continued_part(output: EngineOutput, num_completion_tokens: int,
+                    positions: list[engine_pb2.PositionLogprobs]) -> engine_pb2.GenerateResponse:
+    """A response carrying only a part of the prompt logprobs (and the usage counts)."""
+    return engine_pb2.GenerateResponse(
+        index=output.index, num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
+        num_completion_tokens=num_completion_tokens, prompt_logprobs=engine_pb2.PromptLogprobs(positions=positions),
+        prompt_logprobs_continued=True)
+
+
+def _response_without_prompt_logprobs(output: EngineOutput, num_completion_tokens: int) -> engine_pb2.GenerateResponse:
     response = engine_pb2.GenerateResponse(
         index=output.index, new_token_ids=output.new_token_ids,
         new_logprobs=[position_logprobs_to_proto(p) for p in output.new_logprobs or ()],
@@ -68,12 +122,19 @@ def response_from_output(output: EngineOutput, num_completion_tokens: int) -> en
         num_completion_tokens=num_completion_tokens)
     if output.stop_reason is not None:
         response.stop_token_id = output.stop_reason
-    if output.prompt_logprobs is not None:
-        response.prompt_logprobs.SetInParent()  # set even for a one-token prompt (no positions)
-        # Position 0 has no logprob (None) and no place on the wire.
-        response.prompt_logprobs.positions.extend(
-            position_logprobs_to_proto(p) for p in output.prompt_logprobs[1:])
     return response
+
+
+def prompt_logprobs_bytes_bound(num_prompt_tokens: int, prompt_logprobs: int, vocab_size: int) -> int:
+    """The most bytes a prompt's logprobs can take in a GenerateResponse (``prompt_logprobs``
+    alternatives per position, besides the prompt token), for a check before the request runs."""
+    entries = min(prompt_logprobs + 1, vocab_size)
+    # A Logprob: token_id (varint below vocab_size) and rank (varint up to vocab_size) with their
+    # tags, a float with its tag; then its own tag and length inside PositionLogprobs.
+    varint = max(1, (vocab_size.bit_length() + 6) // 7)
+    logprob = 2 * (1 + varint) + 5
+    position = _embedded_size(entries * _embedded_size(logprob))
+    return (num_prompt_tokens - 1) * position + _FIELD_FRAMING_BYTES
 
 
 _POOLING_TYPES = {engine_pb2.POOLING_TYPE_UNSPECIFIED: "last", engine_pb2.POOLING_TYPE_LAST: "last",

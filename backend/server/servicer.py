@@ -28,7 +28,8 @@ from prometheus_client import generate_latest
 from backend.engine.async_llm_engine import AsyncLLMEngine
 from backend.server.generate_stream import GenerateStreamCall
 from backend.server.metrics import EngineMetrics
-from backend.server.proto_convert import pooling_params_from_proto, response_from_output, sampling_params_from_proto
+from backend.server.proto_convert import (pooling_params_from_proto, prompt_logprobs_bytes_bound, responses_from_output,
+                                          sampling_params_from_proto)
 from backend.server.status_codes import BackendShuttingDownError, map_errors, safe_deserializer
 from backend.types.bounded_store import BoundedStore
 from backend.types.config import EngineConfig
@@ -44,6 +45,9 @@ TOKENIZER_CHUNK_BYTES = 1024 * 1024  # the proto's per-chunk maximum
 # A client's deadline timer starts before ours (we start ours when its headers arrive), so its
 # cancel at the deadline reaches us up to a transit time early; an end this close counts as expired.
 DEADLINE_EARLY_CANCEL_S = 0.1
+# Room a response leaves in a message for what wraps it: GenerateStream's entry (the request ID
+# aside, counted per request), its status, and the fields' tags and lengths.
+RESPONSE_FRAMING_BYTES = 64
 
 
 _HANDLER_MAKERS = {  # (client streaming, server streaming) -> grpc's handler maker
@@ -69,7 +73,9 @@ def engine_service_handler(servicer: "EngineServicer") -> grpc.GenericRpcHandler
 class _GenerateCall:
     """One Generate call's sequences: their running token counts, ends and timing (for metrics)."""
 
-    def __init__(self, n: int, num_prompt_tokens: int, metrics: Optional[EngineMetrics]) -> None:
+    def __init__(self, n: int, num_prompt_tokens: int, metrics: Optional[EngineMetrics],
+                 max_response_bytes: Optional[int] = None) -> None:
+        self.max_response_bytes = max_response_bytes  # None: prompt logprobs are never split
         self.arrival_time = time.monotonic()
         self.num_prompt_tokens = num_prompt_tokens
         self.metrics = metrics
@@ -80,7 +86,8 @@ class _GenerateCall:
         self.scheduled_time: list[Optional[float]] = [None] * n  # the engine's first schedule
         self.finished = [False] * n
 
-    def response(self, output: EngineOutput) -> engine_pb2.GenerateResponse:
+    def responses(self, output: EngineOutput) -> list[engine_pb2.GenerateResponse]:
+        """The delta's response; several when its prompt logprobs are split (``proto_convert``)."""
         index, now = output.index, time.monotonic()
         if output.new_token_ids and self.metrics is not None:
             last = self.last_token_time[index]
@@ -100,7 +107,7 @@ class _GenerateCall:
         self.num_cached_tokens[index] = output.num_cached_tokens
         if output.finished:
             self._finish(index, output.finish_reason, now)
-        return response_from_output(output, self.num_tokens[index])
+        return responses_from_output(output, self.num_tokens[index], self.max_response_bytes)
 
     def abort_unfinished(self) -> list[engine_pb2.GenerateResponse]:
         """End every unfinished sequence as aborted; their final (token-less) responses."""
@@ -228,7 +235,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 f"The backend is at its limit of {self.max_sequences_in_flight} sequences in flight "
                 "(max_num_seqs + --max-num-queued-requests); retry later or on another backend.")
         prompt = list(request.prompt_token_ids)
-        call = _GenerateCall(params.n, len(prompt), self.metrics)
+        # The largest response that fits one message of either RPC, its request ID included.
+        max_response_bytes = (self.limits.max_grpc_message_bytes - RESPONSE_FRAMING_BYTES
+                              - len(request_id.encode()))
+        if params.prompt_logprobs is not None and not request.accept_split_prompt_logprobs:
+            await self._check_prompt_logprobs_fit(len(prompt), params.prompt_logprobs, max_response_bytes)
+        call = _GenerateCall(params.n, len(prompt), self.metrics,
+                             max_response_bytes if request.accept_split_prompt_logprobs else None)
         if self.metrics is not None:
             self.metrics.observe_params(params.n, params.max_tokens)
         stop = self._stop_events[request_id] = asyncio.Event()
@@ -243,7 +256,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                             and time.monotonic() >= deadline:  # the engine's own deadline check came first
                         call.abort_unfinished()
                         raise RequestTimeoutError("The call's deadline passed; the engine aborted the request.")
-                    yield call.response(output)
+                    for response in call.responses(output):
+                        yield response
             for response in call.abort_unfinished():  # only after Abort: the stream ended early
                 yield response
         except (asyncio.CancelledError, GeneratorExit):
@@ -260,6 +274,20 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             del self._callers[request_id]
             if not self._stop_events:
                 self._idle.set()
+
+    async def _check_prompt_logprobs_fit(self, num_prompt_tokens: int, prompt_logprobs: int,
+                                         max_response_bytes: int) -> None:
+        """For a client that cannot join split prompt logprobs: refuse, before the request runs, one
+        whose prompt logprobs might not fit one message (else its call would fail once they came)."""
+        vocab_size = (await self.engine.model_info()).vocab_size
+        bound = prompt_logprobs_bytes_bound(num_prompt_tokens, prompt_logprobs, vocab_size)
+        if bound > max_response_bytes:
+            raise InvalidRequestError(
+                f"prompt_logprobs={prompt_logprobs} over {num_prompt_tokens} prompt tokens may take up to {bound} "
+                f"bytes, more than one gRPC message holds (--max-grpc-message-bytes "
+                f"{self.limits.max_grpc_message_bytes}); ask for fewer, or set "
+                "GenerateRequest.accept_split_prompt_logprobs to receive them split over several responses.",
+                param="prompt_logprobs")
 
     @map_errors
     async def Embed(self, request: engine_pb2.EmbedRequest,

@@ -130,7 +130,8 @@ class ResponseModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+    # vLLM's: usage in every chunk too, but only with include_usage (alone it changes nothing).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(RequestModel):

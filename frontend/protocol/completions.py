@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from frontend.protocol.common import Logprobs, ResponseModel, SamplingFields, UsageInfo, created_now, ranged
@@ -22,6 +22,30 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = ranged(minimum=0)  # maximum: --max-logprobs
     suffix: SkipJsonSchema[Optional[str]] = None  # UNSUPPORTED_FIELDS
     prompt_embeds: SkipJsonSchema[Optional[Any]] = None  # UNSUPPORTED_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prompt_is_the_empty_prompt(cls, data: Any) -> Any:
+        """A missing or null ``prompt`` is the empty prompt, and an empty ``prompt_embeds`` beside
+        an empty prompt adds nothing: every form of "no prompt" then gets the one empty-prompt 400
+        naming both fields (``frontend.serving.prompts``), as vLLM answers them all, instead of a
+        type error. Non-empty ``prompt_embeds`` stay, to be refused as unsupported."""
+        if not isinstance(data, dict):
+            return data
+        prompt = data.get("prompt")
+        if not _holds_no_prompt(prompt):
+            return data
+        data = {**data, "prompt": "" if prompt is None else prompt}
+        if data.get("prompt_embeds") in ("", []):
+            del data["prompt_embeds"]
+        return data
+
+
+def _holds_no_prompt(prompt: Any) -> bool:
+    """None, "", [], or a list of only empty prompts ([""], [[]])."""
+    if prompt is None or prompt == "":
+        return True
+    return isinstance(prompt, list) and all(item == "" or item == [] for item in prompt)
 
 
 class CompletionLogProbs(ResponseModel):

@@ -180,6 +180,13 @@ async def unless_disconnected(raw_request: Request, awaitable: Awaitable[T]) -> 
     raise ClientDisconnectedError("The client disconnected before the response was ready.")
 
 
+def usage_in_stream(options: Optional[P.StreamOptions]) -> tuple[bool, bool]:
+    """(a usage chunk ends the stream, every chunk carries usage): vLLM's reading of
+    ``stream_options``, where ``continuous_usage_stats`` takes effect only with ``include_usage``."""
+    include = options is not None and options.include_usage
+    return include, include and options.continuous_usage_stats
+
+
 # ---- the base of every endpoint ---------------------------------------------------------------
 
 
@@ -278,10 +285,12 @@ class OpenAIServing:
             self.context.num_in_flight -= 1
         yield sse.DONE
 
-    def _usage(self, runs: list[EngineRun]) -> P.UsageInfo:
+    def _usage(self, runs: list[EngineRun], count_completion: bool = True) -> P.UsageInfo:
+        """The runs' token counts so far; ``count_completion`` False: none generated yet (a stream's
+        role chunk, written before any text, reports 0 completion tokens as vLLM's does)."""
         prompt_tokens = sum(len(run.prompt.token_ids) for run in runs)
         completion_tokens = sum(0 if run.echo_only else len(seq.token_ids)
-                                for run in runs for seq in run.builder.sequences)
+                                for run in runs for seq in run.builder.sequences) if count_completion else 0
         cached = sum(run.builder.num_cached_tokens for run in runs)
         return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            total_tokens=prompt_tokens + completion_tokens,

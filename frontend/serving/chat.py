@@ -19,7 +19,7 @@ from starlette.responses import Response
 from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import StructuredOutputsParams
 from frontend import protocol as P
-from frontend.serving.base import EngineRun, Event, OpenAIServing, prepend, unless_disconnected
+from frontend.serving.base import EngineRun, Event, OpenAIServing, prepend, unless_disconnected, usage_in_stream
 from frontend.serving.logprobs import chat_logprobs, chat_logprobs_dict, prompt_logprobs_json
 from frontend.serving.prompts import Prompt
 from frontend.serving.sampling import max_tokens_for, sampling_params
@@ -114,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
         (run,) = runs
         created = int(time.time())
         as_ids = request.return_tokens_as_token_ids
-        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        include_usage, continuous = usage_in_stream(request.stream_options)
         num_top = _num_top(request, run)
         frames = ChunkFrames({"id": base_id, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_name}, "")  # no usage, no prompt_token_ids: left out
@@ -135,10 +135,11 @@ class OpenAIServingChat(OpenAIServing):
                                     function=P.FunctionCall(name=name, arguments=arguments))
                     for i, call_id, name, arguments in merge_tool_deltas(pieces)]
 
-        # OpenAI's first chunk of each choice carries the role (and vLLM's echo).
+        # OpenAI's first chunk of each choice carries the role (and vLLM's echo), and no tokens yet.
+        role_usage = self._usage(runs, count_completion=False) if continuous else None
         for index in range(request.n):
             yield chunk([P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(
-                role=run.role, content=run.echo_text))],
+                role=run.role, content=run.echo_text))], role_usage,
                 prompt_token_ids=run.prompt.token_ids if request.return_token_ids and index == 0 else None)
         async for _run, index, delta in prepend(first, events):
             if index >= request.n:  # beam search: only the best n beams are returned
@@ -151,7 +152,10 @@ class OpenAIServingChat(OpenAIServing):
                 content, pieces = content + more_content, pieces + more_pieces
                 if reply.num_calls and finish_reason == "stop":
                     finish_reason = reply.finish_reason_with_calls
-            if not content and not pieces and not delta.finished and not (request.logprobs and delta.token_ids):
+            # A token that adds no text yet (held back by the detokenizer, a stop string's prefix or
+            # the tool parser) still gets a chunk when its ID or logprobs are asked for, as in vLLM.
+            if (not content and not pieces and not delta.finished
+                    and not ((request.logprobs or request.return_token_ids) and delta.token_ids)):
                 continue
             token_ids = delta.token_ids if request.return_token_ids else None
             if not pieces and not continuous:  # the common chunk: no model objects (frontend.serving.sse)
@@ -169,7 +173,7 @@ class OpenAIServingChat(OpenAIServing):
                 index=index, delta=P.DeltaMessage(content=content or None, tool_calls=tool_deltas(pieces)),
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason,
                 token_ids=token_ids)])
-        if request.stream_options is not None and request.stream_options.include_usage:
+        if include_usage:
             yield chunk([], self._usage(runs))
 
 

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import PositionLogprobs
 from frontend import protocol as P
-from frontend.serving.base import EngineRun, Event, OpenAIServing, prepend, unless_disconnected
+from frontend.serving.base import EngineRun, Event, OpenAIServing, prepend, unless_disconnected, usage_in_stream
 from frontend.serving.logprobs import completion_logprobs, completion_logprobs_dict, prompt_logprobs_json
 from frontend.serving.sampling import max_tokens_for, sampling_params
 from frontend.serving.sse import ChunkFrames, json_or_null, json_text, sse_event
@@ -106,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[int] = set()
         streamed_chars: dict[int, int] = {}  # vLLM's text_offset base of each choice's next chunk
         as_ids = request.return_tokens_as_token_ids
-        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        include_usage, continuous = usage_in_stream(request.stream_options)
         frames = ChunkFrames({"id": base_id, "object": "text_completion", "created": created,
                               "model": self.model_name}, '"usage":null')
         async for run, seq_index, delta in prepend(first, events):
@@ -125,7 +125,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 if positions is not None:
                     token_ids = run.prompt.token_ids + token_ids
                     positions = self._echo_logprobs(run) + positions
-            if not text and not delta.finished and not (positions and token_ids):
+            # A token that adds no text yet (held back by the detokenizer or a stop string's prefix)
+            # still gets a chunk when its ID or logprobs are asked for, as in vLLM.
+            if not text and not delta.finished and not ((positions or request.return_token_ids) and token_ids):
                 continue
             wants_logprobs = request.logprobs is not None or request.logprob_token_ids is not None
             offset = streamed_chars.get(choice, 0)
@@ -156,6 +158,6 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_logprobs=prompt_logprobs_json(run.builder.prompt_logprobs)
                     if request.prompt_logprobs is not None and first_of_choice else None)],
                 usage=self._usage(runs) if continuous else None))
-        if request.stream_options is not None and request.stream_options.include_usage:
+        if include_usage:
             yield sse_event(P.CompletionStreamResponse(id=base_id, created=created, model=self.model_name,
                                                        choices=[], usage=self._usage(runs)))
