@@ -12,9 +12,10 @@ character once: O(reply) in all) and hands out each call as soon as it can:
 - a call whose ``parameters`` came before its ``name`` all at once, when its
   object closes.
 
-``complete`` holds the calls whose objects closed (their arguments re-encoded
-as the whole reply's are), so a reply cut short by ``max_tokens`` still gives
-the calls generated before the cut.
+``complete`` holds the calls whose objects closed (their arguments the text as
+generated, as they streamed: a reply whole or streamed gives the same strings),
+so a reply cut short by ``max_tokens`` still gives the calls generated before
+the cut.
 """
 
 from __future__ import annotations
@@ -129,8 +130,7 @@ class CallArrayReader:
             return  # not a call (the schema requires both; without it, nothing is handed out)
         self._stream_arguments(pieces)
         start, end = self._arguments
-        arguments = json.dumps(json.loads(self.text[start:end]), ensure_ascii=False)
-        self.complete.append(ToolCall(self._name, arguments, id=self._call.id if self._call else ""))
+        self.complete.append(ToolCall(self._name, self.text[start:end], id=self._call.id if self._call else ""))
 
     # ---- handing out ----
 

@@ -117,9 +117,11 @@ def constrained_tool_schema(tools: list[dict], named: Optional[str], parallel: b
 
 
 def calls_from_constrained(text: str, named: Optional[str]) -> list[ToolCall]:
-    """The tool calls in a reply that ``constrained_tool_schema`` held (so it parses)."""
+    """The tool calls in a reply that ``constrained_tool_schema`` held (so it parses). A named call's
+    arguments are the text as generated (what its stream sent), checked to parse."""
     if named is not None:
-        return [ToolCall(named, json.dumps(json.loads(text), ensure_ascii=False))]
+        json.loads(text)
+        return [ToolCall(named, text)]
     return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in json.loads(text)]
 
 

@@ -215,6 +215,21 @@ def test_a_named_call_cut_short_is_still_the_call_whole_or_streamed():
     assert [(name, arguments) for _, _, name, arguments in merge_tool_deltas(pieces)] == [("get_weather", '{"city": "Ro')]
 
 
+@pytest.mark.parametrize("mode, reply, named", [
+    ("named", '{\n  "city": "Paris"\n}', "get_weather"),
+    ("required", '[ {"name": "get_weather", "parameters": {\n  "city": "Paris" } },\n {"name": "get_time", '
+                 '"parameters": { } } ]', None),
+])
+def test_arguments_whole_are_the_text_streamed(mode, reply, named):
+    """A model's whitespace inside the arguments is kept: a client gets the same strings, streamed or not."""
+    _, whole = ToolReply(mode, "hermes", named).whole(reply)
+    streamed = ToolReply(mode, "hermes", named)
+    pieces = [piece for char in reply for piece in streamed.push(char)[1]] + streamed.finish()[1]
+    assert [(c.name, c.arguments) for c in whole] == [(name, arguments) for _, _, name, arguments in
+                                                      merge_tool_deltas(pieces)]
+    assert "\n" in whole[0].arguments and json.loads(whole[0].arguments) == {"city": "Paris"}
+
+
 def names_and_raw(calls) -> list[tuple[str, str]]:
     return [(call.name, call.arguments) for call in calls]
 
