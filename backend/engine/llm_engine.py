@@ -26,7 +26,7 @@ from backend.engine.request_checks import eos_token_ids, validate_request
 from backend.engine.stop_conditions import check_stop
 from backend.messages.late_grammar import LateGrammar
 from backend.executor import create_executor
-from backend.models.resolve import resolve_config
+from backend.models.resolve import load_cpu_kernels_early, resolve_config
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError, RequestFailedError
 from backend.types.limits import Limits
@@ -45,6 +45,7 @@ class LLMEngine:
     """The engine core. Not thread-safe: one caller drives ``add_request``/``step``."""
 
     def __init__(self, config: EngineConfig, limits: Optional[Limits] = None) -> None:
+        load_cpu_kernels_early(config)  # a first build overlaps with fetching and converting the model
         self.config = resolve_config(config)
         self.limits = limits or Limits()
         self.executor = create_executor(config)

@@ -40,6 +40,18 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     return config
 
 
+def load_cpu_kernels_early(config: EngineConfig) -> None:
+    """For an engine that will run on the CPU: find, load or build the fused CPU kernels in a
+    background thread now (``tandem_kernels.cpu.load_in_background``), so that a first build (~30 s
+    on 2 cores) overlaps with finding, fetching and converting the model; the worker waits for it
+    before loading weights. A CUDA engine never builds them."""
+    import tandem_kernels.cpu
+
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return
+    tandem_kernels.cpu.load_in_background()
+
+
 def config_for_workers(config: EngineConfig) -> EngineConfig:
     """A resolved config, light to send to worker processes (see PlainModelConfig)."""
     return dataclasses.replace(config, hf_config=PlainModelConfig(config.hf_config, config.model_path))

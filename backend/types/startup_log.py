@@ -3,7 +3,8 @@
     [start-up] PHASE: WHAT (S.S s)
 
 Each line is logged at INFO by the module doing the work: ``model`` (found, or fetched and
-converted), ``CPU kernels`` (built or loaded), ``weights``, ``KV cache``, ``decode graphs`` and
+converted), ``CPU kernels`` (built or loaded; on a CPU engine in the background beside ``model``,
+its WHAT then ending "in the background"), ``weights``, ``KV cache``, ``decode graphs`` and
 ``ready`` (whose seconds count from the process's start). ``PHASE_LINE`` reads them back
 (bench/startup.py and the tests). ``tandem_kernels``, which imports nothing of the backend, writes
 the same format itself (tandem_kernels/cpu.py).

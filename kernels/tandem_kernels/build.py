@@ -16,6 +16,9 @@ removed or renamed), torch's version and the level:
               and the compiler's version (for ``native``, also the machine and its CPU's flags,
               since that build runs only where it was made), built on first use
 
+A build holds ``build_lock(output)`` (an flock on ``<output>.lock``), so two processes, or two
+threads of one, never compile the same library at once: whoever waited finds it built.
+
 Prebuild for images (a level this machine cannot run still compiles; it is not run here):
 
     python -m tandem_kernels.build --levels all --out /opt/tandem/kernels
@@ -24,6 +27,7 @@ Prebuild for images (a level this machine cannot run still compiles; it is not r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import logging
@@ -37,7 +41,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -160,6 +164,30 @@ def _run(command: list[str]) -> None:
         raise RuntimeError(f"the compiler failed:\n{proc.stderr[-2000:]}")
 
 
+@contextlib.contextmanager
+def build_lock(output: Path) -> Iterator[None]:
+    """Held by whoever builds ``output``: an exclusive flock on ``<output>.lock`` (each holder opens
+    the file itself, so threads of one process exclude each other as processes do). Logs a line
+    when it has to wait. Where there is no flock (not POSIX), nothing is locked; the rename in
+    ``build`` still keeps a library whole."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output.parent / f"{output.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("Waiting for another build of %s to finish ...", output.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def build(level: IsaLevel, cxx: str, output: Path) -> None:
     """Compiles and links the library for ``level`` into ``output``; concurrent builders each
     write a temporary file and rename it into place. Raises RuntimeError or OSError."""
@@ -201,12 +229,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         output = args.out / library_name(level)
         missing = missing_flags(level, host_flags)
         note = f" (compile only: this machine lacks {', '.join(missing)})" if missing else ""
-        if output.exists():
-            logger.info("%s: %s is already built%s", level.name, output, note)
-            continue
         start = time.monotonic()
         try:
-            build(level, cxx, output)
+            with build_lock(output):
+                if output.exists():
+                    logger.info("%s: %s is already built%s", level.name, output, note)
+                    continue
+                build(level, cxx, output)
         except (RuntimeError, OSError) as error:
             logger.error("%s: the build failed: %s", level.name, error)
             return 1

@@ -16,7 +16,10 @@ avx512_vnni, avx512_bf16 or amx, the highest whose every feature /proc/cpuinfo l
 A CPU that is not x86-64 (Arm, ...) has no levels: its ``native`` build (the compiler's own
 -mcpu/-march=native) is cached or built as in 2 and 3, never prebuilt.
 
-The engine calls it at start-up, so no request ever waits for a build. When none of these works
+The engine starts it in a background thread at its start (``load_in_background``), so a build
+overlaps with finding, fetching and converting the model; the first caller that needs the kernels
+(the worker, before loading weights) waits for it, and no request ever waits for a build. Callers
+in one process are serialized by a lock, processes by ``build.build_lock``. When none of these works
 (or the x86-64 CPU is below avx2), a warning says why and every op falls back to
 ``tandem_kernels.reference`` (same results, slower). ``TANDEM_CPU_KERNELS=0`` turns the fused
 kernels off on purpose (for comparisons).
@@ -31,6 +34,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -44,6 +48,8 @@ from tandem_kernels.isa import (LEVELS, NATIVE, IsaLevel, highest_level, host_cp
 logger = logging.getLogger(__name__)
 
 _state: dict = {}  # "ok": bool once decided, "error": why not, "library" and "level" once loaded
+_deciding = threading.Lock()  # held while ``available()`` finds, builds or loads the library
+_background: list[threading.Thread] = []  # the thread ``load_in_background`` started, if any
 
 
 def host_level() -> Optional[IsaLevel]:
@@ -100,10 +106,13 @@ def _find_or_build(level: IsaLevel) -> tuple[Path, IsaLevel, str]:
         cached = build.cached_library(level, cxx)
         if cached.exists():
             return cached, level, "loaded the cached"
-        target = " ".join(build.target_flags(cxx, level)) or "the compiler's default target"
-        logger.info("Building Tandem's CPU kernels for %s (%s) with %s (once per machine and version: ~30 s "
-                    "on 2 cores) into %s ...", level.name, target, Path(cxx).name, cached.parent)
-        build.build(level, cxx, cached)
+        with build.build_lock(cached):
+            if cached.exists():  # another process built it while this one waited
+                return cached, level, "waited for another process's build, then loaded the"
+            target = " ".join(build.target_flags(cxx, level)) or "the compiler's default target"
+            logger.info("Building Tandem's CPU kernels for %s (%s) with %s (once per machine and version: ~30 s "
+                        "on 2 cores) into %s ...", level.name, target, Path(cxx).name, cached.parent)
+            build.build(level, cxx, cached)
         return cached, level, "built and loaded the"
     except (RuntimeError, OSError) as error:
         if (lower := _lower_prebuilt(level)) is None:
@@ -113,31 +122,70 @@ def _find_or_build(level: IsaLevel) -> tuple[Path, IsaLevel, str]:
         return lower[0], lower[1], "loaded the prebuilt"
 
 
+def load_in_background() -> None:
+    """Start ``available()`` in a daemon thread unless it has been decided or started already, so
+    that a build overlaps with whatever the caller does next; a later ``available()`` waits for it."""
+    with _deciding:
+        if "ok" in _state or any(thread.is_alive() for thread in _background):
+            return
+        thread = threading.Thread(target=_available_quietly, name="tandem-cpu-kernels", daemon=True)
+        _background[:] = [thread]
+        thread.start()
+
+
+def _available_quietly() -> None:
+    try:
+        available()
+    except ValueError:  # a refused TANDEM_CPU_KERNEL_LEVEL: raised again to the next caller
+        pass
+
+
 def available() -> bool:
-    """True once the fused kernels are loaded (building them on first use where need be)."""
-    if "ok" not in _state:
-        off = os.environ.get("TANDEM_CPU_KERNELS", "1") == "0"
-        level = None if off else host_level()  # a refused TANDEM_CPU_KERNEL_LEVEL raises, every call
+    """True once the fused kernels are loaded (building them on first use where need be). Safe from
+    any thread: one decides, the others wait for its answer."""
+    if "ok" in _state:
+        return _state["ok"]
+    if not _deciding.acquire(blocking=False):
+        waiting = threading.current_thread() not in _background
+        if waiting:
+            logger.info("Waiting for the CPU kernels (being found, built or loaded since the engine started) ...")
+        start = time.monotonic()
+        _deciding.acquire()
+        if waiting:
+            logger.info("Waited %.1f s for the CPU kernels.", time.monotonic() - start)
+    try:
+        return _decide()
+    finally:
+        _deciding.release()
+
+
+def _decide() -> bool:
+    """Find, build or load the library once; ``_state["ok"]`` is set last, when all is known."""
+    if "ok" in _state:
+        return _state["ok"]
+    off = os.environ.get("TANDEM_CPU_KERNELS", "1") == "0"
+    level = None if off else host_level()  # a refused TANDEM_CPU_KERNEL_LEVEL raises, every call
+    if off:
+        _state["error"] = "turned off by TANDEM_CPU_KERNELS=0"
+    elif level is None:
+        _state["error"] = _below_avx2_reason()
+    else:
+        start = time.monotonic()
+        try:
+            library, level, how = _find_or_build(level)
+            torch.ops.load_library(str(library))
+            _state.update(library=library, level=level)
+            _state["ok"] = True
+            # The backend's start-up phase line (backend/types/startup_log.py), written here
+            # because the kernels import nothing of the backend.
+            where = " in the background" if threading.current_thread() in _background else ""
+            logger.info("[start-up] CPU kernels: %s %s build %s%s (%.1f s)", how, level.name, library, where,
+                        time.monotonic() - start)
+        except (RuntimeError, OSError) as error:
+            _state["error"] = str(error)
+    if not _state.get("ok"):
+        logger.warning("Fused CPU kernels unavailable (%s); using the plain-torch path.", _state["error"])
         _state["ok"] = False
-        if off:
-            _state["error"] = "turned off by TANDEM_CPU_KERNELS=0"
-        elif level is None:
-            _state["error"] = _below_avx2_reason()
-        else:
-            start = time.monotonic()
-            try:
-                library, level, how = _find_or_build(level)
-                torch.ops.load_library(str(library))
-                _state.update(ok=True, library=library, level=level)
-                # The backend's start-up phase line (backend/types/startup_log.py), written here
-                # because the kernels import nothing of the backend.
-                logger.info("[start-up] CPU kernels: %s %s build %s (%.1f s)", how, level.name, library,
-                            time.monotonic() - start)
-            except (RuntimeError, OSError) as error:
-                _state["error"] = str(error)
-        if not _state["ok"]:
-            logger.warning("Fused CPU kernels unavailable (%s); using the plain-torch path.",
-                           _state["error"])
     return _state["ok"]
 
 
