@@ -49,7 +49,8 @@ RUN if [ -n "${CPU_KERNEL_LEVELS}" ]; then \
 ARG DEFAULT_MODEL=include
 COPY backend/__init__.py /model-src/backend/
 COPY backend/types/__init__.py backend/types/errors.py /model-src/backend/types/
-COPY backend/models/__init__.py backend/models/conversion.py backend/models/default_model.py /model-src/backend/models/
+COPY backend/models/__init__.py backend/models/conversion.py backend/models/default_model.py \
+     backend/models/gguf_file.py backend/models/gguf_llama_convert.py /model-src/backend/models/
 RUN case "${EXTRAS}:${DEFAULT_MODEL}" in \
         :*|*:none) echo "no default model in this image (EXTRAS=${EXTRAS:-none}, DEFAULT_MODEL=${DEFAULT_MODEL})";; \
         *:include) PYTHONPATH=/model-src TRANSFORMERS_VERBOSITY=error /opt/tandem/bin/python \

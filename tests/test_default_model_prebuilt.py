@@ -5,6 +5,7 @@ tests/deploy/compose_smoke.sh checks a real image's backend."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import re
@@ -91,7 +92,8 @@ def test_the_build_step_converts_into_out_with_the_pip_options_given(tmp_path, m
 def test_the_images_converter_needs_only_the_files_the_dockerfile_copies(tmp_path):
     """The Dockerfile copies a few files for the conversion (so that layer outlives other edits);
     the converter must import from those alone."""
-    copies = re.findall(r"^COPY ((?:backend/\S+ )+)/model-src/(\S+)$", (REPO_ROOT / "Dockerfile").read_text(), re.M)
+    dockerfile = re.sub(r"\\\n\s*", "", (REPO_ROOT / "Dockerfile").read_text())  # join continued lines
+    copies = re.findall(r"^COPY ((?:backend/\S+ )+)/model-src/(\S+)$", dockerfile, re.M)
     assert copies
     for sources, destination in copies:
         for source in sources.split():
@@ -104,3 +106,12 @@ def test_the_images_converter_needs_only_the_files_the_dockerfile_copies(tmp_pat
     files = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                            cwd=tmp_path, timeout=60).stdout.split()
     assert files and all(Path(f).is_relative_to(tmp_path) for f in files), files
+    # Imports inside functions (the GGUF converter's, say) run only when converting: each backend
+    # module any copied file names, at any depth, must be in the copy too.
+    for copied in tmp_path.rglob("*.py"):
+        for node in ast.walk(ast.parse(copied.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in (n for n in names if n.split(".")[0] == "backend"):
+                module = tmp_path / name.replace(".", "/")
+                assert module.with_suffix(".py").is_file() or (module / "__init__.py").is_file(), (copied.name, name)
