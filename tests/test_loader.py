@@ -332,6 +332,23 @@ def test_build_once_keeps_the_copy_of_whoever_finished_first(tmp_path):
     assert [p.name for p in target.parent.iterdir()] == ["m"]  # our scratch copy was dropped
 
 
+def test_build_once_leaves_a_cache_every_user_can_read(tmp_path):
+    """The cache is shared like any download: private scratch modes (mkdtemp's directory,
+    safetensors' 0600 file) do not survive into the target."""
+    target = tmp_path / "models" / "m"
+
+    def build(scratch: Path) -> None:
+        (scratch / "sub").mkdir(mode=0o700)
+        for name in ("weights", "sub/part"):
+            (scratch / name).write_text("x")
+            (scratch / name).chmod(0o600)
+        (scratch / conversion.CONVERTED_MARKER).write_text("")
+
+    conversion.build_once(target, build)
+    assert {p.relative_to(target).as_posix(): p.stat().st_mode & 0o777 for p in [target, *target.rglob("*")]} == {
+        ".": 0o755, "sub": 0o755, "weights": 0o644, "sub/part": 0o644, conversion.CONVERTED_MARKER: 0o644}
+
+
 # --- the default model ---------------------------------------------------------------------------
 
 

@@ -35,7 +35,11 @@ def build_once(target: Path, build: Callable[[Path], None], marker: str = CONVER
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
     try:
         build(scratch)
-        scratch.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any download
+        # mkdtemp makes the directory private and safetensors writes its file 0600; the cache is
+        # shared like any download.
+        scratch.chmod(0o755)
+        for written in scratch.rglob("*"):
+            written.chmod(0o755 if written.is_dir() else 0o644)
         try:
             os.rename(scratch, target)
         except OSError:
