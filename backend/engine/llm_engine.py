@@ -23,7 +23,7 @@ from backend.core.structured_output.manager import GrammarViolation, StructuredO
 from backend.engine.decode_step import apply_decode_token
 from backend.engine.inflight import InFlightStep
 from backend.engine.request_checks import eos_token_ids, validate_request
-from backend.engine.stop_conditions import check_stop
+from backend.engine.sampled_tokens import apply_sampled_tokens
 from backend.messages.late_grammar import LateGrammar
 from backend.executor import create_executor
 from backend.models.resolve import load_cpu_kernels_early, resolve_config
@@ -346,41 +346,14 @@ class LLMEngine:
             if search.record(request.request_id, runner_out.logprobs[s.request_id][0]):
                 finished_rounds.append(search)
             return
-        first = not request.output_token_ids
-        sampled = runner_out.sampled_token_ids[s.request_id]
-        new_tokens, reason = [], None
-        output_ids, all_ids = request.output_token_ids, request.all_token_ids
-        for token_id in sampled:
-            output_ids.append(token_id)
-            all_ids.append(token_id)
-            new_tokens.append(token_id)
-            reason = check_stop(request, token_id, self.eos_token_ids, self.config.max_model_len)
-            if constrained and reason is None:  # every token the sequence keeps advances its grammar
-                reason = self._advance_grammar(request, token_id)
-            if reason is not None:
-                break
-        # The KV cache now holds every scheduled token but the rejected drafts.
-        rejected = s.num_draft_tokens - (len(sampled) - 1)
-        request.complete_step(len(s.token_ids), rejected, True, stale)
-        if not stale:
-            self.block_manager.cache_full_blocks(request, min(request.num_computed_tokens, len(all_ids)))
-        self.num_generation_tokens_total += len(new_tokens)
+        output, accepted = apply_sampled_tokens(
+            request, s, runner_out, now, stale, self.eos_token_ids, self.config.max_model_len,
+            self.block_manager, self._advance_grammar if constrained else None)
+        outputs.append(output)
+        self.num_generation_tokens_total += len(output.new_token_ids)
         self.num_draft_tokens_total += s.num_draft_tokens
-        self.num_accepted_tokens_total += s.num_draft_tokens - rejected
-        if first:
-            request.first_token_time = now
-        logprobs = runner_out.logprobs.get(s.request_id)
-        outputs.append(EngineOutput(
-            request_id=request.parent_id, index=request.index, new_token_ids=new_tokens,
-            new_logprobs=logprobs[:len(new_tokens)] if logprobs is not None else None,
-            finish_reason=reason, stop_reason=request.stop_reason,
-            num_prompt_tokens=num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            pooled=runner_out.pooled.get(s.request_id) if runner_out.pooled else None,
-            scheduled_time=request.scheduled_time if first else None,
-            # A one-token prompt has no logprobs computed: its list is [None], as any prompt's starts.
-            prompt_logprobs=(request.prompt_logprobs or [None]) if first and request.wants_prompt_logprobs
-            else None))
+        self.num_accepted_tokens_total += accepted
+        reason = output.finish_reason
         if reason is not None:
             self._finish(request, reason)
             self._forget_child(request)
