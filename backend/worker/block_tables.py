@@ -25,34 +25,32 @@ class BlockTables:
     """Request ID -> a row of ``table``; ``padded`` gives a step's [rows, max_blocks]."""
 
     def __init__(self) -> None:
-        self.table = np.zeros((INITIAL_ROWS, INITIAL_COLUMNS), dtype=np.int64)  # [rows, columns]
+        self.table = np.zeros((INITIAL_ROWS, INITIAL_COLUMNS), dtype=np.int32)  # [rows, columns]
         self.counts = np.zeros(INITIAL_ROWS, dtype=np.int64)  # [rows]: blocks known per row
-        self._row_of: dict[str, int] = {}
-        self._source_of: dict[str, list[int]] = {}  # the list each row mirrors
-        self._count_of: list[int] = [0] * INITIAL_ROWS  # counts, as Python ints (fast to read)
-        self._last_of: list[int] = [-1] * INITIAL_ROWS  # each row's last known block
+        # Request ID -> (its row, the list the row mirrors, blocks known, the last known block):
+        # one look-up tells whether a step's table is the one mirrored already.
+        self._mirror: dict[str, tuple[int, list[int], int, int]] = {}
         self._free_rows = list(range(INITIAL_ROWS - 1, -1, -1))
 
     def __len__(self) -> int:
-        return len(self._row_of)
+        return len(self._mirror)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            row = self._row_of.pop(request_id, None)
-            if row is not None:
-                del self._source_of[request_id]
-                self._free_rows.append(row)
+            mirror = self._mirror.pop(request_id, None)
+            if mirror is not None:
+                self._free_rows.append(mirror[0])
 
     def _row(self, s: ScheduledRequest) -> int:
         source = s.block_ids
-        row = self._row_of.get(s.request_id)
-        if row is None:
-            row = self._row_of[s.request_id] = self._take_row()
-            self._source_of[s.request_id] = source
+        mirror = self._mirror.get(s.request_id)
+        if mirror is None:
+            row = self._take_row()
             self._clear(row)
-        elif self._source_of[s.request_id] is not source:  # rebuilt: read it whole
-            self._source_of[s.request_id] = source
-            self._clear(row)
+        else:
+            row = mirror[0]
+            if mirror[1] is not source:  # rebuilt: read it whole
+                self._clear(row)
         count = int(self.counts[row])
         end = len(source)  # one fixed length (appends may come meanwhile)
         if end < count or (count and source[count - 1] != self.table[row, count - 1]):
@@ -62,23 +60,24 @@ class BlockTables:
             if end > self.table.shape[1]:
                 self._grow(columns=max(2 * self.table.shape[1], end))
             self.table[row, count:end] = source[count:end]
-        self.counts[row] = self._count_of[row] = end
-        self._last_of[row] = source[end - 1] if end else -1
+        self.counts[row] = end
+        self._mirror[s.request_id] = (row, source, end, source[end - 1] if end else -1)
         return row
 
     def padded(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
-        """[len(scheduled), longest table] int64: each sequence's blocks, zero-padded."""
-        row_of, source_of, count_of, last_of = self._row_of, self._source_of, self._count_of, self._last_of
+        """[len(scheduled), longest table] int32: each sequence's blocks, zero-padded."""
+        mirrors = self._mirror
         rows = []
         for s in scheduled:
-            row = row_of.get(s.request_id)
+            mirror = mirrors.get(s.request_id)
             # The common case: the same list, no block appended since the last step (and its last
             # block where it was: a list changed in place against the contract is read again).
             blocks = s.block_ids
-            if (row is None or source_of[s.request_id] is not blocks or len(blocks) != count_of[row]
-                    or (blocks and blocks[count_of[row] - 1] != last_of[row])):
-                row = self._row(s)
-            rows.append(row)
+            if (mirror is None or mirror[1] is not blocks or len(blocks) != mirror[2]
+                    or (blocks and blocks[mirror[2] - 1] != mirror[3])):
+                rows.append(self._row(s))
+            else:
+                rows.append(mirror[0])
         index = np.array(rows, dtype=np.int64)
         width = max(int(self.counts[index].max()), 1)
         return self.table[index, :width]  # [n, width]: a copy (fancy indexing); zero past each count
@@ -86,7 +85,7 @@ class BlockTables:
     def _clear(self, row: int) -> None:
         """Zero a row (a new owner, or one read again whole): every row is zero past its count."""
         self.table[row, :int(self.counts[row])] = 0
-        self.counts[row] = self._count_of[row] = 0
+        self.counts[row] = 0
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -97,11 +96,9 @@ class BlockTables:
 
     def _grow(self, rows: int = 0, columns: int = 0) -> None:
         rows, columns = max(rows, self.table.shape[0]), max(columns, self.table.shape[1])
-        grown = np.zeros((rows, columns), dtype=np.int64)
+        grown = np.zeros((rows, columns), dtype=np.int32)
         grown[:self.table.shape[0], :self.table.shape[1]] = self.table
         self.table = grown
         counts = np.zeros(rows, dtype=np.int64)
         counts[:self.counts.shape[0]] = self.counts
         self.counts = counts
-        self._count_of.extend([0] * (rows - len(self._count_of)))
-        self._last_of.extend([-1] * (rows - len(self._last_of)))

@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from tandem_kernels import ops as kernels
@@ -38,8 +39,17 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block_
                       pending_tokens: Optional[torch.Tensor] = None) -> StepInputs:
     """pending_rows/pending_tokens: a deferred step's sequence ID -> row of its sampled tokens
     [rows] (on the device); a placeholder of such a sequence is filled from there."""
+    build = (_decode_step_inputs if all(len(s.token_ids) == 1 and s.needs_sample
+                                        and s.sampling_params.prompt_logprobs is None for s in scheduled)
+             else _mixed_step_inputs)
+    return build(scheduled, block_size, block_tables, last_sampled, upload, pending_rows or {}, pending_tokens)
+
+
+def _mixed_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block_tables: BlockTables,
+                       last_sampled: dict[str, int], upload: Callable, pending_rows: dict[str, int],
+                       pending_tokens: Optional[torch.Tensor]) -> StepInputs:
+    """``build_step_inputs`` for any step (prefill chunks, drafts, prompt logprobs), sequence by sequence."""
     bs = block_size
-    pending_rows = pending_rows or {}
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -114,3 +124,43 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block_
                                        seq_lens_tensor=lens_t, query_start_tensor=starts_t)
     return StepInputs(input_ids=ids, positions=pos_t, meta=meta, logits_rows=logits_rows,
                       logits_index=logits_t, sample_rows=sample_rows, prompt_rows=prompt_rows)
+
+
+def _decode_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block_tables: BlockTables,
+                        last_sampled: dict[str, int], upload: Callable, pending_rows: dict[str, int],
+                        pending_tokens: Optional[torch.Tensor]) -> StepInputs:
+    """``build_step_inputs`` for a step of single decode tokens (no drafts, no prompt logprobs),
+    the common one: the same inputs, computed as arrays over the batch rather than per sequence."""
+    n = len(scheduled)
+    positions = [s.start_pos for s in scheduled]
+    input_ids = [s.token_ids[0] for s in scheduled]
+    gather_at: list[int] = []  # rows whose token is gathered from the deferred step ...
+    gather_from: list[int] = []  # ... from these rows of its sampled tokens
+    if PLACEHOLDER_TOKEN_ID in input_ids:  # sampled by the step before (async scheduling)
+        for row, s in enumerate(scheduled):
+            if input_ids[row] == PLACEHOLDER_TOKEN_ID:
+                pending = pending_rows.get(s.request_id)
+                if pending is None:  # read already
+                    input_ids[row] = last_sampled.get(s.request_id, 0)
+                else:
+                    gather_at.append(row)
+                    gather_from.append(pending)
+                    input_ids[row] = 0
+    tables = block_tables.padded(scheduled)  # [n, width] int32
+    pos = np.array(positions, dtype=np.int64)  # [n]
+    slots = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size  # [n]
+    seq_lens = [p + 1 for p in positions]
+    query_lens = [1] * n
+    logits_rows = list(range(n))
+    i64, i32 = torch.int64, torch.int32
+    ids, pos_t, slot_t, lens_t, starts_t, tables_t, logits_t, at_t, from_t = upload(
+        [(input_ids, i64), (pos, i64), (slots, i64), (seq_lens, i32), (np.arange(n + 1, dtype=np.int32), i32),
+         (tables, i32), (logits_rows, i64), (gather_at, i64), (gather_from, i64)])
+    if gather_at:
+        ids[at_t] = pending_tokens[from_t]
+    meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t, seq_lens=lens_t,
+                             query_start_loc=starts_t, max_query_len=1, max_seq_len=max(seq_lens))
+    meta.plan = kernels.plan_attention(meta.block_tables, seq_lens, query_lens, block_size,
+                                       seq_lens_tensor=lens_t, query_start_tensor=starts_t)
+    return StepInputs(input_ids=ids, positions=pos_t, meta=meta, logits_rows=logits_rows, logits_index=logits_t,
+                      sample_rows=list(zip(scheduled, logits_rows, itertools.repeat(0))), prompt_rows=[])
