@@ -199,8 +199,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._idle.set()
         self._draining = False
         # The Responses API's stored responses (payloads opaque here), for any frontend.
-        self._stored_responses: BoundedStore[bytes] = BoundedStore(self.limits.max_stored_responses,
-                                                                   self.limits.max_stored_response_bytes)
+        self._stored_responses: BoundedStore[bytes] = BoundedStore(
+            self.limits.max_stored_responses, self.limits.max_stored_response_bytes,
+            self.limits.max_stored_response_age_s)
 
     @map_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
