@@ -306,23 +306,6 @@ def test_store_false_keeps_nothing_and_an_unknown_id_is_a_404(client, engine):  
     assert len(engine.requests) == before
 
 
-def test_the_store_is_bounded_by_count_and_bytes_least_recently_used_first():
-    from backend.types.bounded_store import BoundedStore
-
-    store = BoundedStore(max_entries=3, max_bytes=100)
-    for name in "abc":
-        assert store.put(name, name, 10)
-    assert store.get("a") == "a"  # a is now the most recently used
-    store.put("d", "d", 10)  # the count bound: b, the least recently used, goes
-    assert store.get("b") is None and len(store) == 3 and store.num_bytes == 30
-    store.put("e", "e", 85)  # 30 + 85 > 100: c then a go (least recent first), d fits beside e
-    assert store.get("c") is None and store.get("a") is None and store.num_bytes == 95
-    assert store.get("d") == "d" and store.get("e") == "e"
-    assert not store.put("huge", "x", 101) and store.get("huge") is None and store.num_bytes == 95
-    store.put("e", "e2", 5)  # replacing counts the new size only
-    assert store.num_bytes == 15 and store.delete("e") and not store.delete("e") and store.num_bytes == 10
-
-
 def test_a_stored_response_round_trips_through_its_encoding():
     import asyncio
 

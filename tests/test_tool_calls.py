@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jinja2
 import openai
 import pytest
 from conftest import TINY_VOCAB
 from helpers import LoopThread, uvicorn_on
-from test_api_server import MODEL, FakeEngine, tokenizer, tokenizer_dir  # noqa: F401
+from test_api_server import MODEL, FakeEngine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import ModelInfo
@@ -354,3 +355,27 @@ def test_a_required_reply_cut_by_max_tokens_returns_its_complete_calls(live, tok
     assert final.choices[0].finish_reason == "length" and not final.choices[0].message.content
     assert calls[0].function.name == "get_time" and calls[0].function.arguments == "{}"
     assert calls[1].function.name == "get_weather"  # the cut call, as far as it got
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script, tool_choice, role_content", [
+    ('{"city": "Paris"}', {"type": "function", "function": {"name": "get_weather"}}, None),
+    ('[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "required", None),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', "auto", ""),
+])
+def test_a_streamed_call_has_no_empty_content(live, tokenizer, script, tool_choice, role_content):
+    """OpenAI's shape: a reply that can only be calls (named, required) starts with content null;
+    with auto, where the reply may be text, the role chunk keeps vLLM's "" (as plain text does).
+    No chunk of the call after it carries content."""
+    client, engine = live
+    say(engine, tokenizer, script)
+    answer = httpx.post(f"{client.base_url}chat/completions", timeout=30, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 400, "stream": True, "n": 2, "tools": [SDK_WEATHER],
+        "tool_choice": tool_choice})
+    deltas = [(e["choices"][0]["index"], e["choices"][0]["delta"]) for e in sse_events(answer)[:-1]]
+    assert [d for _, d in deltas[:2]] == [{"role": "assistant", "content": role_content}] * 2
+    assert {i for i, _ in deltas[:2]} == {0, 1}
+    first = [d for i, d in deltas[2:] if i == 0]  # the fake engine shifts choice 1's script: not a call
+    assert first and all("content" not in d and "role" not in d for d in first)
+    arguments = "".join(c["function"]["arguments"] for d in first for c in d.get("tool_calls", []))
+    assert json.loads(arguments) == {"city": "Paris"}

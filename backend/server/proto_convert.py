@@ -60,23 +60,38 @@ def position_logprobs_to_proto(position: PositionLogprobs) -> engine_pb2.Positio
         top_logprobs=[_logprob_to_proto(t, lp) for t, lp in alternatives])
 
 
-def responses_from_output(output: EngineOutput, num_completion_tokens: int,
-                          max_bytes: Optional[int] = None) -> list[engine_pb2.GenerateResponse]:
+def responses_from_output(output: EngineOutput, num_completion_tokens: int, max_bytes: Optional[int] = None,
+                          split_prompt_logprobs: bool = True) -> list[engine_pb2.GenerateResponse]:
     """One engine delta -> its GenerateResponse (``num_completion_tokens``: the sequence's running
-    total), or, when its prompt logprobs make that larger than ``max_bytes`` (None: never split),
-    the split the proto describes (``prompt_logprobs_continued``): responses of at most
-    ``max_bytes`` carrying consecutive parts of the positions, the last with the rest of the delta.
-    Only a single position larger than ``max_bytes`` makes a part larger than that."""
-    response = _response_without_prompt_logprobs(output, num_completion_tokens)
-    if output.prompt_logprobs is None:
-        return [response]
+    total), or several when it is larger than ``max_bytes`` (None: never split):
+
+    * its tokens (with their logprobs) over consecutive responses of whole tokens, each of at most
+      ``max_bytes``, the end (finish reason, stop token) with the last; a client reads them as
+      consecutive deltas, so this needs nothing of it;
+    * its prompt logprobs, when ``split_prompt_logprobs`` (the client joins them), over responses
+      before those (``prompt_logprobs_continued``), the rest with the first tokens; otherwise whole,
+      with the first tokens.
+
+    Only a single token's or prompt position's logprobs larger than ``max_bytes`` (or unsplit
+    prompt logprobs) make a response larger than that."""
+    positions = None
+    if output.prompt_logprobs is not None:  # position 0 has no logprob (None) and no place on the wire
+        positions = [position_logprobs_to_proto(p) for p in output.prompt_logprobs[1:]]
+    reserved = 0
+    if positions is not None and not split_prompt_logprobs and max_bytes is not None:
+        reserved = _FIELD_FRAMING_BYTES + sum(_embedded_size(p.ByteSize()) for p in positions)
+    responses = _token_responses(output, num_completion_tokens, max_bytes, reserved)
+    if positions is None:
+        return responses
+    response = responses[0]
     response.prompt_logprobs.SetInParent()  # set even for a one-token prompt (no positions)
-    # Position 0 has no logprob (None) and no place on the wire.
-    positions = [position_logprobs_to_proto(p) for p in output.prompt_logprobs[1:]]
-    sizes = [_embedded_size(position.ByteSize()) for position in positions] if max_bytes is not None else []
-    if max_bytes is None or response.ByteSize() + _FIELD_FRAMING_BYTES + sum(sizes) <= max_bytes:
+    if max_bytes is None or not split_prompt_logprobs:
         response.prompt_logprobs.positions.extend(positions)
-        return [response]
+        return responses
+    sizes = [_embedded_size(position.ByteSize()) for position in positions]
+    if response.ByteSize() + _FIELD_FRAMING_BYTES + sum(sizes) <= max_bytes:
+        response.prompt_logprobs.positions.extend(positions)
+        return responses
     num_before = num_completion_tokens - len(output.new_token_ids)  # the parts come before this step's tokens
     part_overhead = _continued_part(output, num_before, []).ByteSize() + _FIELD_FRAMING_BYTES
     parts: list[list[engine_pb2.PositionLogprobs]] = []
@@ -92,7 +107,44 @@ def responses_from_output(output: EngineOutput, num_completion_tokens: int,
         parts.append(current)
         current = []
     response.prompt_logprobs.positions.extend(current)
-    return [_continued_part(output, num_before, part) for part in parts] + [response]
+    return [_continued_part(output, num_before, part) for part in parts] + responses
+
+
+def _token_responses(output: EngineOutput, num_completion_tokens: int, max_bytes: Optional[int],
+                     reserved: int) -> list[engine_pb2.GenerateResponse]:
+    """The delta without prompt logprobs, as one response, or as consecutive ones of whole tokens
+    each of at most ``max_bytes`` (the first of at most ``max_bytes - reserved``), at least one
+    token each."""
+    response = _response_without_prompt_logprobs(output, num_completion_tokens)
+    if max_bytes is None or len(output.new_token_ids) < 2 or response.ByteSize() + reserved <= max_bytes:
+        return [response]
+    logprobs = list(response.new_logprobs)
+    # Every part's fixed fields take at most what the whole response's do (its total, its end);
+    # the packed token IDs add their tag and length.
+    fixed = _response_without_tokens(output, num_completion_tokens, with_end=True).ByteSize() + _FIELD_FRAMING_BYTES
+    parts: list[tuple[int, int]] = []  # [start, stop) of each part's tokens
+    start, size, room = 0, 0, max_bytes - reserved - fixed
+    for i, token in enumerate(output.new_token_ids):
+        token_size = _varint_size(token) + (_embedded_size(logprobs[i].ByteSize()) if logprobs else 0)
+        if i > start and size + token_size > room:
+            parts.append((start, i))
+            start, size, room = i, 0, max_bytes - fixed
+        size += token_size
+    parts.append((start, len(output.new_token_ids)))
+    if len(parts) == 1:
+        return [response]
+    num_before = num_completion_tokens - len(output.new_token_ids)
+    responses = []
+    for start, stop in parts:
+        part = _response_without_tokens(output, num_before + stop, with_end=stop == len(output.new_token_ids))
+        part.new_token_ids.extend(output.new_token_ids[start:stop])
+        part.new_logprobs.extend(logprobs[start:stop])
+        responses.append(part)
+    return responses
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 # What a length-delimited field adds to its content's size, at most: its tag and a 5-byte length.
@@ -122,6 +174,19 @@ def _response_without_prompt_logprobs(output: EngineOutput, num_completion_token
         num_completion_tokens=num_completion_tokens)
     if output.stop_reason is not None:
         response.stop_token_id = output.stop_reason
+    return response
+
+
+def _response_without_tokens(output: EngineOutput, num_completion_tokens: int,
+                             with_end: bool) -> engine_pb2.GenerateResponse:
+    """The delta's usage counts, and its end (finish reason, stop token) if ``with_end``."""
+    response = engine_pb2.GenerateResponse(
+        index=output.index, num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
+        num_completion_tokens=num_completion_tokens)
+    if with_end:
+        response.finish_reason = _FINISH_REASON_TO_PROTO[output.finish_reason]
+        if output.stop_reason is not None:
+            response.stop_token_id = output.stop_reason
     return response
 
 

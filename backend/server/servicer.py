@@ -74,8 +74,9 @@ class _GenerateCall:
     """One Generate call's sequences: their running token counts, ends and timing (for metrics)."""
 
     def __init__(self, n: int, num_prompt_tokens: int, metrics: Optional[EngineMetrics],
-                 max_response_bytes: Optional[int] = None) -> None:
-        self.max_response_bytes = max_response_bytes  # None: prompt logprobs are never split
+                 max_response_bytes: Optional[int] = None, split_prompt_logprobs: bool = False) -> None:
+        self.max_response_bytes = max_response_bytes  # None: responses are never split
+        self.split_prompt_logprobs = split_prompt_logprobs  # the client joins split prompt logprobs
         self.arrival_time = time.monotonic()
         self.num_prompt_tokens = num_prompt_tokens
         self.metrics = metrics
@@ -87,7 +88,7 @@ class _GenerateCall:
         self.finished = [False] * n
 
     def responses(self, output: EngineOutput) -> list[engine_pb2.GenerateResponse]:
-        """The delta's response; several when its prompt logprobs are split (``proto_convert``)."""
+        """The delta's response; several when it is larger than a message (``proto_convert``)."""
         index, now = output.index, time.monotonic()
         if output.new_token_ids and self.metrics is not None:
             last = self.last_token_time[index]
@@ -107,7 +108,8 @@ class _GenerateCall:
         self.num_cached_tokens[index] = output.num_cached_tokens
         if output.finished:
             self._finish(index, output.finish_reason, now)
-        return responses_from_output(output, self.num_tokens[index], self.max_response_bytes)
+        return responses_from_output(output, self.num_tokens[index], self.max_response_bytes,
+                                     self.split_prompt_logprobs)
 
     def abort_unfinished(self) -> list[engine_pb2.GenerateResponse]:
         """End every unfinished sequence as aborted; their final (token-less) responses."""
@@ -197,8 +199,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._idle.set()
         self._draining = False
         # The Responses API's stored responses (payloads opaque here), for any frontend.
-        self._stored_responses: BoundedStore[bytes] = BoundedStore(self.limits.max_stored_responses,
-                                                                   self.limits.max_stored_response_bytes)
+        self._stored_responses: BoundedStore[bytes] = BoundedStore(
+            self.limits.max_stored_responses, self.limits.max_stored_response_bytes,
+            self.limits.max_stored_response_age_s)
 
     @map_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -240,8 +243,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                               - len(request_id.encode()))
         if params.prompt_logprobs is not None and not request.accept_split_prompt_logprobs:
             await self._check_prompt_logprobs_fit(len(prompt), params.prompt_logprobs, max_response_bytes)
-        call = _GenerateCall(params.n, len(prompt), self.metrics,
-                             max_response_bytes if request.accept_split_prompt_logprobs else None)
+        call = _GenerateCall(params.n, len(prompt), self.metrics, max_response_bytes,
+                             request.accept_split_prompt_logprobs)
         if self.metrics is not None:
             self.metrics.observe_params(params.n, params.max_tokens)
         stop = self._stop_events[request_id] = asyncio.Event()

@@ -47,6 +47,7 @@ class Limits:
     # ---- the Responses API's stored responses (backend; least recently used evicted first) ----
     max_stored_responses: int = 1024  # responses kept for previous_response_id and GET
     max_stored_response_bytes: int = 64 * 1024 * 1024  # their JSON, all together
+    max_stored_response_age_s: int = 30 * 24 * 3600  # each is forgotten this long after it was stored
     retry_after_s: int = 1  # the Retry-After a refused client is told
     # ---- the HTTP edge, before admission (frontend; see frontend/middleware.py) ----
     http_header_timeout_s: int = 10  # a request's head must arrive whole within this (else 408, closed)
@@ -196,6 +197,8 @@ _HELP = {
     "max_stored_responses": "most /v1/responses responses kept (store: true) for previous_response_id and GET; "
                             "beyond, the least recently used goes",
     "max_stored_response_bytes": "most bytes (JSON) of stored /v1/responses responses, all together",
+    "max_stored_response_age_s": "seconds a stored /v1/responses response is kept after it was stored; then "
+                                 "it is gone (404), however recently it was used",
     "trust_request_chat_template": "render a chat_template sent in a request (chat completions, /tokenize) in a "
                                    "bounded worker process; off: such a request gets a 400",
     "chat_template_workers": "worker processes that render request chat templates",
@@ -216,4 +219,4 @@ FRONTEND_LIMITS = ("max_n", "max_stop_sequences", "max_stop_sequence_length", "m
 BACKEND_LIMITS = ("max_n", "max_stop_sequences", "max_logprobs", "max_logprob_token_ids", "max_logit_bias",
                   "max_cache_salt_length",
                   "max_request_id_length", "max_num_queued_requests", "max_grpc_message_bytes",
-                  "max_stored_responses", "max_stored_response_bytes")
+                  "max_stored_responses", "max_stored_response_bytes", "max_stored_response_age_s")

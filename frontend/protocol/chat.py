@@ -84,7 +84,9 @@ class ChatMessage(ResponseModel):
 
 
 class DeltaMessage(ResponseModel):
-    """A streamed piece of the assistant's message; absent fields are left out (``{}`` at the end)."""
+    """A streamed piece of the assistant's message; absent fields are left out (``{}`` at the end),
+    but a ``content`` given as None is written as null (OpenAI's role chunk of a reply that is only
+    tool calls)."""
 
     role: Optional[str] = None
     content: Optional[str] = None
@@ -92,7 +94,8 @@ class DeltaMessage(ResponseModel):
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
-        return {key: value for key, value in handler(self).items() if value is not None}
+        return {key: value for key, value in handler(self).items()
+                if value is not None or (key == "content" and key in self.model_fields_set)}
 
 
 class ChatCompletionTopLogprob(ResponseModel):

@@ -135,11 +135,13 @@ class OpenAIServingChat(OpenAIServing):
                                     function=P.FunctionCall(name=name, arguments=arguments))
                     for i, call_id, name, arguments in merge_tool_deltas(pieces)]
 
-        # OpenAI's first chunk of each choice carries the role (and vLLM's echo), and no tokens yet.
+        # OpenAI's first chunk of each choice carries the role (and vLLM's echo), and no tokens yet;
+        # its content is "" (vLLM's), or null where the reply can only be tool calls (as OpenAI's).
         role_usage = self._usage(runs, count_completion=False) if continuous else None
+        calls_only = run.replies[0].mode in ("required", "named") and not run.echo_text
         for index in range(request.n):
             yield chunk([P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(
-                role=run.role, content=run.echo_text))], role_usage,
+                role=run.role, content=None if calls_only else run.echo_text))], role_usage,
                 prompt_token_ids=run.prompt.token_ids if request.return_token_ids and index == 0 else None)
         async for _run, index, delta in prepend(first, events):
             if index >= request.n:  # beam search: only the best n beams are returned
@@ -169,8 +171,11 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, num_top, as_ids)
+            delta_message = P.DeltaMessage(tool_calls=tool_deltas(pieces))
+            if content:  # left out, not null, when there is none
+                delta_message.content = content
             yield chunk([P.ChatCompletionStreamChoice(
-                index=index, delta=P.DeltaMessage(content=content or None, tool_calls=tool_deltas(pieces)),
+                index=index, delta=delta_message,
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason,
                 token_ids=token_ids)])
         if include_usage:

@@ -9,9 +9,10 @@ Two stores with one (async) interface, ``ResponseStore``:
   ``PutStoredResponse`` / ``GetStoredResponse`` / ``DeleteStoredResponse`` RPCs), so any
   frontend continues a response another one served: what ``tandem frontend`` uses.
 
-Both are bounded by count and bytes, least recently used evicted first (the backend's by
-``--max-stored-responses`` and ``--max-stored-response-bytes``); an entry larger than the byte
-bound alone is not stored (``put`` says so).
+Both are bounded by count and bytes, least recently used evicted first, and by age (the
+backend's by ``--max-stored-responses``, ``--max-stored-response-bytes`` and
+``--max-stored-response-age-s``); an entry larger than the byte bound alone is not stored
+(``put`` says so).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class LocalResponseStore:
     """``ResponseStore`` in this process's memory (encoded, as the backends keep them)."""
 
     def __init__(self, max_entries: int = Limits.max_stored_responses,
-                 max_bytes: int = Limits.max_stored_response_bytes) -> None:
-        self.entries: BoundedStore[bytes] = BoundedStore(max_entries, max_bytes)
+                 max_bytes: int = Limits.max_stored_response_bytes,
+                 max_age_s: float = Limits.max_stored_response_age_s) -> None:
+        self.entries: BoundedStore[bytes] = BoundedStore(max_entries, max_bytes, max_age_s)
 
     async def put(self, response_id: str, entry: StoredResponse) -> bool:
         payload = entry.encode()
