@@ -178,6 +178,31 @@ def test_the_repack_is_cached_and_mapped_on_later_loads(mixed_gguf, monkeypatch)
     assert layer.gguf_codes.shape == (2 * FFN, HIDDEN)
 
 
+def test_packing_from_the_header_reader_matches_packing_from_ggufs_reader(mixed_gguf, monkeypatch):
+    from types import SimpleNamespace
+
+    from backend.models import gguf_packed
+    from backend.models.gguf_file import GgufFile, GgufTensor
+
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)  # the tiny llama
+    fast = gguf_packed.pack_tensors(mixed_gguf, config)
+
+    def gguf_reader_file(path):
+        tensors = [GgufTensor(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), np.asarray(t.data))
+                   for t in gguf.GGUFReader(str(path)).tensors]
+        return GgufFile({}, tensors)
+
+    monkeypatch.setattr(gguf_packed, "read_gguf", gguf_reader_file)
+    slow = gguf_packed.pack_tensors(mixed_gguf, config)
+    assert {layout for layout, _, _ in fast.values()} == {"int4", "int4f", "int8g"}
+    assert fast.keys() == slow.keys()
+    for name, (layout, codes, scales) in fast.items():
+        assert layout == slow[name][0], name
+        for mine, theirs in zip((codes, scales), slow[name][1:]):
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, name
+            assert mine.numpy().tobytes() == theirs.numpy().tobytes(), name
+
+
 def test_an_unsupported_quantized_type_is_refused_by_name(tmp_path):
     import tandem_kernels.cpu
 

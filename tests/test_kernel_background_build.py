@@ -1,15 +1,19 @@
 """The CPU kernels found or built in the background at engine start (tandem_kernels.cpu.load_in_background)
 and the build lock (tandem_kernels.build.build_lock): one build per library however many threads and
-processes ask, the others wait for it and say so. The compiler and the build are faked (the real
-build is covered by test_kernel_isa_levels.py and test_kernels_cpu.py)."""
+processes ask, the others wait for it and say so; a build's scratch folder and compilers go however
+it ends. The compiler (and mostly the build) are faked (the real build is covered by
+test_kernel_isa_levels.py and test_kernels_cpu.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
+
 import pytest
 import torch
 from test_kernel_isa_levels import CPUS, child_env, fake_compiler, fake_machine
@@ -142,3 +146,80 @@ def test_the_lock_file_sits_beside_the_library_under_another_name(tmp_path):
     with build.build_lock(output):
         pass
     assert [p.name for p in tmp_path.iterdir()] == ["tandem_cpu_ops-avx2-0123.so.lock"]
+
+
+# --- the scratch folder and the compilers, however a build ends -------------------------------------
+
+def scratch_compiler(tmp_path: Path, fail: str = "", sleep: int = 0) -> str:
+    """A compiler that fails on a command naming ``fail``, else records its pid in ``pids`` and
+    sleeps ``sleep`` s (0: writes its -o file at once)."""
+    script = tmp_path / "scratch-c++"
+    script.write_text(f"""#!/bin/sh
+out=""; prev=""
+for a in "$@"; do
+  case "$a" in --version) echo fake 1.0; exit 0;; esac
+  [ "$prev" = "-o" ] && out="$a"; prev="$a"
+done
+case "$*" in *"{fail or '@never@'}"*) echo "fake: an error in {fail}" >&2; exit 1;; esac
+echo $$ >> {tmp_path / "pids"}
+[ {sleep} -gt 0 ] && exec sleep {sleep}
+touch "$out"
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+def compiler_pids(tmp_path: Path) -> list[int]:
+    path = tmp_path / "pids"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_failed_compile_stops_the_others_at_once_and_leaves_no_folder(tmp_path):
+    first = build.sources()[0].name
+    output = tmp_path / "out" / "lib.so"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"an error in {first}"):
+        build.build(isa.level_named("avx2"), scratch_compiler(tmp_path, fail=first, sleep=20), output)
+    assert time.monotonic() - start < 10  # not waiting out the other compiles
+    assert list(output.parent.iterdir()) == []
+    assert compiler_pids(tmp_path) and not any(running(pid) for pid in compiler_pids(tmp_path))
+
+
+def test_a_process_exiting_mid_build_stops_its_compilers_and_leaves_no_folder(tmp_path):
+    """What a background build meets when the engine's start fails: the process exits under it."""
+    output = tmp_path / "out" / "lib.so"
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, threading, time
+        from pathlib import Path
+        from tandem_kernels import build, isa
+        args = (isa.level_named("avx2"), {scratch_compiler(tmp_path, sleep=20)!r}, Path({str(output)!r}))
+        threading.Thread(target=build.build, args=args, daemon=True).start()
+        while not Path({str(tmp_path / "pids")!r}).exists():
+            time.sleep(0.05)
+        sys.exit(3)
+    """)], env=child_env())
+    try:
+        assert child.wait(15) == 3
+    finally:
+        child.kill()
+    assert list(output.parent.iterdir()) == []
+    assert compiler_pids(tmp_path) and not any(running(pid) for pid in compiler_pids(tmp_path))
+
+
+def test_a_folder_left_by_a_killed_build_is_removed_by_the_next_build(tmp_path):
+    output = tmp_path / "out" / "lib.so"
+    left = output.parent / f"{output.name}.build-k1ll3d"  # as a build killed outright leaves it
+    left.mkdir(parents=True)
+    (left / "attention.o").write_bytes(b"")
+    other = output.parent / "other.so.build-k1ll3d"  # another library's: not this build's to remove
+    other.mkdir()
+    build.build(isa.level_named("avx2"), scratch_compiler(tmp_path), output)
+    assert sorted(p.name for p in output.parent.iterdir()) == ["lib.so", "other.so.build-k1ll3d"]

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from backend.models.gguf_blocks import INT4F_TYPES, int4f_from_gguf, int8g_from_gguf
+from backend.models.gguf_file import read_gguf
 from backend.models.int4_weights import int4_from_gguf
 from backend.models.linear import LinearBase
 
@@ -72,15 +73,16 @@ def check_gguf_model_type(hf_config) -> None:
 
 def pack_tensors(gguf_file: Path, hf_config) -> dict[str, tuple]:
     """Every packable linear module's packed form: name -> ("int4" | "int4f", qweight, scales) or
-    ("int8g", codes, scales), in Tandem's row order. Raises ValueError naming a quantized tensor of a type
-    outside PACKED_TYPES."""
-    import gguf
+    ("int8g", codes, scales), in Tandem's row order, the file's header read by ``gguf_file.read_gguf``.
+    Raises ValueError naming a quantized tensor of a type outside PACKED_TYPES (``GgufFormatError``,
+    a ValueError, for one gguf does not know)."""
+    from gguf import GGMLQuantizationType
 
-    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
+    tensors = {t.name: t for t in read_gguf(gguf_file).tensors}
     packs = {}
     for name, sources in llama_sources(hf_config, set(tensors)).items():
         parts = [tensors.get(source) for source, _ in sources]
-        kinds = [part.tensor_type.name if part is not None else None for part in parts]
+        kinds = [GGMLQuantizationType(part.type_id).name if part is not None else None for part in parts]
         for part, kind in zip(parts, kinds):
             if kind is not None and kind not in PACKED_TYPES + PLAIN_TYPES:
                 raise ValueError(f"{gguf_file.name}: tensor {part.name} is GGUF type {kind}; quantization='gguf' "
@@ -92,7 +94,7 @@ def pack_tensors(gguf_file: Path, hf_config) -> dict[str, tuple]:
         decode = {"int4": int4_from_gguf, "int4f": int4f_from_gguf, "int8g": int8g_from_gguf}[layout]
         codes, scales = [], []
         for part, kind, (_, heads) in zip(parts, kinds, sources):
-            k, n = (int(d) for d in part.shape[:2])  # GGUF lists the row length first
+            n, k = part.shape  # rows first; a linear weight is 2-D
             q, s = decode(part.data, kind, (n, k))
             if heads is not None:
                 order = unpermute_rows(n, heads)

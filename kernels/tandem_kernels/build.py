@@ -17,7 +17,11 @@ removed or renamed), torch's version and the level:
               since that build runs only where it was made), built on first use
 
 A build holds ``build_lock(output)`` (an flock on ``<output>.lock``), so two processes, or two
-threads of one, never compile the same library at once: whoever waited finds it built.
+threads of one, never compile the same library at once: whoever waited finds it built. It works in
+a scratch folder beside the library (``<output>.build-*``), removed however the build ends: on a
+failure its other compilers are stopped at once; when the process exits mid-build (a background
+build abandoned) an exit hook stops them and removes the folder; the folder of a process killed
+outright is removed by the next build of that library.
 
 Prebuild for images (a level this machine cannot run still compiles; it is not run here):
 
@@ -27,6 +31,7 @@ Prebuild for images (a level this machine cannot run still compiles; it is not r
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -34,12 +39,13 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -158,10 +164,65 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _run(command: list[str]) -> None:
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the compiler failed:\n{proc.stderr[-2000:]}")
+_builds_lock = threading.Lock()
+_builds: dict[Path, list[subprocess.Popen]] = {}  # each build's scratch folder -> the compilers it started
+_exiting = False  # set by the exit hook: no compiler starts after it
+
+
+def _start(command: list[str], folder: Path, log: Path) -> subprocess.Popen:
+    """``command`` in its own session and process group (stopping the group stops the compiler's children),
+    its messages into ``log``; RuntimeError where the build was discarded (the process exiting)."""
+    with _builds_lock:
+        if _exiting or folder not in _builds:
+            raise RuntimeError("the build was abandoned: the process is exiting")
+        with open(log, "wb") as messages:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=messages, stderr=messages,
+                                    start_new_session=True)
+        _builds[folder].append(proc)
+    return proc
+
+
+def _run_all(commands: list[list[str]], folder: Path, jobs: int) -> None:
+    """Runs ``commands``, ``jobs`` at a time; raises RuntimeError with the compiler's message as soon
+    as one fails (the others left running for ``_discard`` to stop)."""
+    waiting, running = list(enumerate(commands)), []
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            i, command = waiting.pop(0)
+            running.append((i, _start(command, folder, folder / f"{i}.log")))
+        for entry in list(running):
+            i, proc = entry
+            if proc.poll() is None:
+                continue
+            running.remove(entry)
+            if proc.returncode != 0:
+                message = (folder / f"{i}.log").read_text(errors="replace")
+                raise RuntimeError(f"the compiler failed:\n{message[-2000:]}")
+        if running:
+            time.sleep(0.02)
+
+
+def _discard(folder: Path) -> None:
+    """Stops the build's compilers still running (each whole process group) and removes its folder."""
+    with _builds_lock:
+        procs = _builds.pop(folder, [])
+    for proc in procs:
+        if proc.poll() is None:  # not yet reaped, so its group id is still its own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@atexit.register
+def _discard_all() -> None:
+    """At exit, the builds a daemon thread still runs (their thread stops without cleaning up)."""
+    global _exiting
+    with _builds_lock:
+        _exiting = True
+        folders = list(_builds)
+    for folder in folders:
+        _discard(folder)
 
 
 @contextlib.contextmanager
@@ -189,18 +250,27 @@ def build_lock(output: Path) -> Iterator[None]:
 
 
 def build(level: IsaLevel, cxx: str, output: Path) -> None:
-    """Compiles and links the library for ``level`` into ``output``; concurrent builders each
-    write a temporary file and rename it into place. Raises RuntimeError or OSError."""
+    """Compiles and links the library for ``level`` into ``output``, in a scratch folder removed
+    however it ends, then renames it into place. Called under ``build_lock(output)``: scratch
+    folders an earlier build of ``output`` left (its process killed) are removed first. Raises
+    RuntimeError or OSError."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+    for stale in output.parent.glob(f"{output.name}.build-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"{output.name}.build-", dir=output.parent))
+    with _builds_lock:
+        _builds[folder] = []
+    try:
         units = sources()
-        objs = [Path(tmp) / f"{source.stem}.o" for source in units]
+        objs = [folder / f"{source.stem}.o" for source in units]
         # Each translation unit parses torch's headers (~7 s) on its own, so they compile side by side.
-        with ThreadPoolExecutor(max_workers=min(len(units), _usable_cores())) as pool:
-            list(pool.map(_run, [compile_command(cxx, level, s, o) for s, o in zip(units, objs)]))
-        tmp_out = Path(tmp) / output.name
-        _run(link_command(cxx, objs, tmp_out))
+        _run_all([compile_command(cxx, level, s, o) for s, o in zip(units, objs)], folder,
+                 min(len(units), _usable_cores()))
+        tmp_out = folder / output.name
+        _run_all([link_command(cxx, objs, tmp_out)], folder, 1)
         os.replace(tmp_out, output)
+    finally:
+        _discard(folder)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
