@@ -34,7 +34,7 @@ from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
 from backend.worker.penalty_history import PenaltyHistory
 from backend.worker.pooler import Pooler
 from backend.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from backend.worker.staged_upload import StagedUpload
+from backend.worker.staged_upload import StagedUpload, list_tensor
 from backend.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -292,7 +292,7 @@ class ModelRunner:
         if inputs.sample_rows:
             index = [i for _, i, _ in inputs.sample_rows]
             if index != list(range(len(inputs.logits_rows))):
-                logits = logits.index_select(0, torch.tensor(index, device=self.device))
+                logits = logits.index_select(0, list_tensor(index, device=self.device))
             self._sample(logits, inputs.sample_rows, resolve_grammar(sched.grammar), out)
             self._record_sampled(out)
         return out

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from backend.worker.staged_upload import list_tensor
+
 INITIAL_SLOTS = 16
 
 
@@ -53,7 +55,7 @@ class PenaltyHistory:
                 self.prompt_seen[slot].zero_()
                 self.output_counts[slot].zero_()
                 if prompt:
-                    self.prompt_seen[slot, torch.tensor(list(prompt), device=self.device)] = True
+                    self.prompt_seen[slot, list_tensor(prompt, device=self.device)] = True
                 self._pending_slots.extend([slot] * num_outputs)
                 self._pending_tokens.extend(output[:num_outputs])
             slots.append(slot)
@@ -87,8 +89,8 @@ class PenaltyHistory:
 
     def _flush(self) -> None:
         if self._pending_tokens:
-            index = (torch.tensor(self._pending_slots, device=self.device),
-                     torch.tensor(self._pending_tokens, device=self.device))
+            index = (list_tensor(self._pending_slots, device=self.device),
+                     list_tensor(self._pending_tokens, device=self.device))
             self.output_counts.index_put_(index, torch.ones(len(self._pending_tokens), dtype=torch.int32,
                                                             device=self.device), accumulate=True)
             self._pending_slots, self._pending_tokens = [], []
@@ -107,12 +109,12 @@ class PenaltyHistory:
         """The rows of ``slots``: (prompt-or-output seen [n, vocab] bool, or None unless
         ``need_seen``; output counts [n, vocab] float32), each row also counting its
         ``extra_tokens`` (the drafts before a draft row, which are not outputs yet)."""
-        index = torch.tensor(slots, device=self.device)
+        index = list_tensor(slots, device=self.device)
         counts = self.output_counts.index_select(0, index).float()  # [n, vocab]
         extra_rows = [i for i, tokens in enumerate(extra_tokens) for _ in tokens]
         if extra_rows:
             flat = [t for tokens in extra_tokens for t in tokens]
-            counts.index_put_((torch.tensor(extra_rows, device=self.device), torch.tensor(flat, device=self.device)),
+            counts.index_put_((list_tensor(extra_rows, device=self.device), list_tensor(flat, device=self.device)),
                               torch.ones(len(flat), device=self.device), accumulate=True)
         seen = None
         if need_seen:

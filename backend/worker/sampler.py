@@ -17,6 +17,7 @@ import torch
 from tandem_kernels import ops as kernels
 from backend.types.outputs import Logprob, PositionLogprobs
 from backend.types.sampling_params import SamplingParams
+from backend.worker.staged_upload import list_tensor
 
 if TYPE_CHECKING:
     from backend.messages.grammar_mask import TokenBitmask
@@ -151,7 +152,7 @@ class Sampler:
 
 def _direct_upload(device: torch.device) -> Callable:
     """An ``upload`` without staging: each array copied to ``device`` on its own."""
-    return lambda arrays: [torch.tensor(values, dtype=dtype, device=device) for values, dtype in arrays]
+    return lambda arrays: [list_tensor(values, dtype, device) for values, dtype in arrays]
 
 
 def compute_prompt_logprobs(

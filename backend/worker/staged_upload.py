@@ -34,8 +34,9 @@ class StagedUpload:
     def __call__(self, arrays: list[tuple[Array, torch.dtype]]) -> list[torch.Tensor]:
         """(values, dtype) pairs -> device tensors, same order; a 2-D numpy array keeps its shape."""
         if not self.stage:  # the CPU reads host memory directly: no copy to stage
+            # (numpy builds a tensor from a list ~4x faster than torch.tensor does)
             return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) if isinstance(a, np.ndarray)
-                    else torch.tensor(a, dtype=dtype) for a, dtype in arrays]
+                    else list_tensor(a, dtype) for a, dtype in arrays]
         shapes, offsets, total = [], [], 0
         for values, dtype in arrays:
             shape = values.shape if isinstance(values, np.ndarray) else (len(values),)
@@ -69,7 +70,15 @@ class StagedUpload:
         return out
 
 
-_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
+
+
+def list_tensor(values: Array, dtype: torch.dtype = torch.int64,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` for a 1-D list of numbers, built through
+    numpy (~4x faster on the host for a few hundred values); on another device, then copied there."""
+    host = torch.from_numpy(np.array(values, dtype=_NUMPY[dtype])) if dtype in _NUMPY else torch.tensor(values, dtype=dtype)
+    return host if torch.device(device).type == "cpu" else host.to(device)
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
