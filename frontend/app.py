@@ -32,7 +32,7 @@ from frontend.engine_client import EngineClient
 from frontend.http_protocol import head_deadline_protocol
 from frontend.openapi import install_openapi, json_body
 from frontend.middleware import (AdmissionMiddleware, AuthenticationMiddleware, BodyReaderMiddleware, HttpMetrics,
-                                 MetricsMiddleware, RequestIdMiddleware)
+                                 MetricsMiddleware)
 from frontend.protocol import anthropic as A
 from frontend.protocol import responses as R
 from frontend.serving.anthropic import AnthropicServingMessages
@@ -231,8 +231,7 @@ def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, 
     app.add_middleware(AuthenticationMiddleware, api_key=api_key, open_paths=OPEN_ROUTES,
                        max_unauthenticated=limits.max_unauthenticated_requests, retry_after_s=limits.retry_after_s,
                        metrics=metrics)
-    app.add_middleware(RequestIdMiddleware)
-    # Added last, so outermost: it sees every response, 401s and 404s included.
+    # Added last, so outermost: it counts (and gives an ID to) every response, 401s and 404s included.
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=frozenset(route.path for route in app.routes))
     # The bound on the wait for a request's head lives below ASGI: serve the app with
     # ``uvicorn.Config(app, http=app.state.http_protocol)``.

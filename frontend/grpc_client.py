@@ -33,6 +33,7 @@ import asyncio
 import logging
 import os
 import time
+from contextlib import aclosing
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
@@ -234,8 +235,9 @@ class GrpcEngineClient:
         stream = self._stream_for(request)
         if stream is not None:
             try:
-                async for output in stream.generate(request, deadline):
-                    yield output
+                async with aclosing(stream.generate(request, deadline)) as outputs:  # closed with this one
+                    async for output in outputs:
+                        yield output
                 return
             except StreamUnsupported:  # nothing ran; Generate serves it, and what follows
                 if self._stream_supported is not False:

@@ -2,8 +2,7 @@
 
 A request passes them in this order (``frontend.app.create_app`` stacks them)::
 
-    MetricsMiddleware         counts every answer by route and status
-    RequestIdMiddleware       echoes X-Request-Id, or makes one
+    MetricsMiddleware         counts every answer by route and status; echoes X-Request-Id, or makes one
     AuthenticationMiddleware  the API key, from the headers alone: 401 before any body is read;
                               what goes on without a verified key is capped (--max-unauthenticated-requests)
     BodyReaderMiddleware      the whole body, within --http-body-timeout-s (408) and
@@ -25,7 +24,7 @@ import hmac
 import time
 import uuid
 from http import HTTPStatus
-from typing import Optional
+from typing import Awaitable, Optional, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,6 +35,8 @@ from frontend.serving.errors import (HTTP_STATUS_CLIENT_CLOSED_REQUEST, Authenti
                                      error_body, error_json_response, error_of_exception)
 
 REQUEST_ID_HEADER = b"x-request-id"
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+T = TypeVar("T")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -56,10 +57,18 @@ class HttpMetrics:
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request by route (unknown paths as "other", to bound the labels) and status."""
+    """Counts every HTTP request by route (unknown paths as "other", to bound the labels) and
+    status, and echoes the client's X-Request-Id (or sends a new one) on every response.
+
+    One layer and one ``send`` wrapper for both, as a streamed response's every event passes it.
+    """
 
     def __init__(self, app: ASGIApp, metrics: HttpMetrics, routes: frozenset[str]) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
+        # The labelled children, by their labels: the same objects ``labels()`` returns, looked up
+        # once per label set (the set is the metrics' own: routes, methods, statuses).
+        self._counted: dict[tuple[str, str, int], Counter] = {}
+        self._timed: dict[tuple[str, str], Histogram] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,45 +76,35 @@ class MetricsMiddleware:
             return
         route = scope["path"] if scope["path"] in self.routes else "other"
         status = HTTP_STATUS_CLIENT_CLOSED_REQUEST  # unless a response starts
+        request_id = _header(scope, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
 
-        async def send_and_record(message: Message) -> None:
+        async def send_recorded(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, request_id)]}
             await send(message)
 
         self.metrics.in_flight.inc()
         start = time.perf_counter()
         try:
-            await self.app(scope, receive, send_and_record)
+            await self.app(scope, receive, send_recorded)
         except Exception:
             status = 500
             raise
         finally:
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
-            self.metrics.latency.labels(route, scope["method"]).observe(time.perf_counter() - start)
+            self._record(route, scope["method"], status, time.perf_counter() - start)
 
-
-class RequestIdMiddleware:
-    """Echoes the client's X-Request-Id, or sends a new one, on every response."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = next((value for name, value in scope["headers"] if name == REQUEST_ID_HEADER), None)
-        request_id = given or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, request_id)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
+    def _record(self, route: str, method: str, status: int, seconds: float) -> None:
+        counted = self._counted.get((route, method, status))
+        if counted is None:
+            counted = self._counted[route, method, status] = self.metrics.requests.labels(route, method, str(status))
+        counted.inc()
+        timed = self._timed.get((route, method))
+        if timed is None:
+            timed = self._timed[route, method] = self.metrics.latency.labels(route, method)
+        timed.observe(seconds)
 
 
 async def send_error(scope: Scope, receive: Receive, send: Send, error: TandemError, retry_after_s: int = 0,
@@ -216,7 +215,10 @@ class BodyReaderMiddleware:
             self._slots = asyncio.Semaphore(self.max_concurrent)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            if self._slots.locked():
+                await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            else:  # a slot is free: taken at once, with no task of wait_for's
+                await self._slots.acquire()
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("max_concurrent_body_reads").inc()
             await send_error(scope, receive, send, OverloadedError(
@@ -228,7 +230,7 @@ class BodyReaderMiddleware:
         try:
             # Cancelling a pending receive() loses nothing: the server keeps what arrived.
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
-            first = await asyncio.wait_for(self._read(receive), remaining)
+            first = await _within(remaining, self._read(receive))
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("http_body_timeout_s").inc()
             await _send_error_body(scope, receive, send, HTTPStatus.REQUEST_TIMEOUT, error_body(
@@ -271,6 +273,15 @@ class BodyReaderMiddleware:
         await send_error(scope, receive, send, RequestTooLargeError(
             f"The request body ({size} bytes or more) is larger than the server's limit of {self.max_bytes} "
             "bytes (--max-request-body-bytes)."), close=True)
+
+
+async def _within(seconds: float, awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, or ``asyncio.TimeoutError`` after ``seconds``: in this task where
+    ``asyncio.timeout`` exists (Python 3.11+), not in a task of its own as ``wait_for`` runs it."""
+    if _timeout is None:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with _timeout(seconds):
+        return await awaitable
 
 
 class _BodyTooLarge(Exception):

@@ -38,6 +38,7 @@ import logging
 import os
 import socket
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
@@ -207,9 +208,13 @@ class Router:
             self._requests[request_id] = backend
             started = False
             try:
-                async for output in backend.client.generate(request_id, prompt_token_ids, params, **options):
-                    started = True
-                    yield output
+                # Closed here, at once, when this is closed (the caller read to the last delta, or left):
+                # not later by the event loop's finalizer, a task and a wake-up of the loop each.
+                async with aclosing(backend.client.generate(request_id, prompt_token_ids, params,
+                                                            **options)) as outputs:
+                    async for output in outputs:
+                        started = True
+                        yield output
                 return
             except (BackendUnavailableError, BackendOverloadedError) as error:
                 if started:

@@ -420,6 +420,27 @@ def test_a_request_whose_end_came_sends_no_abort_when_its_reader_stops_at_its_la
 
 
 @pytest.mark.timeout(60)
+def test_closing_a_request_early_drops_it_from_the_call_at_once(tokenizer_dir):
+    """Closing the client's stream of a request closes the call's stream of it in the same task:
+    the call forgets the request (and queues its abort) before anything else runs."""
+    async def run():
+        servicer, server, port = await _serve_stand_in(tokenizer_dir, step_ms=5)
+        client = GrpcEngineClient(f"127.0.0.1:{port}")
+        try:
+            stream = client.generate("early", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+            await anext(stream)
+            call = client._streams[-1]
+            running = call.has("early")
+            await stream.aclose()
+            return running, call.has("early")
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    assert asyncio.run(asyncio.wait_for(run(), 30)) == (True, False)
+
+
+@pytest.mark.timeout(60)
 def test_backend_death_mid_stream_fails_every_open_request_and_a_new_call_follows_its_restart(tokenizer_dir):
     async def run():
         servicer, server, port = await _serve_stand_in(tokenizer_dir, step_ms=5)

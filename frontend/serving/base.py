@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
@@ -180,6 +181,15 @@ async def unless_disconnected(raw_request: Request, awaitable: Awaitable[T]) -> 
     raise ClientDisconnectedError("The client disconnected before the response was ready.")
 
 
+@functools.lru_cache(maxsize=None)
+def _unsupported_fields(model: type) -> tuple[tuple[str, str], ...]:
+    """``UNSUPPORTED_FIELDS``' (name, reason) pairs that ``model`` has, in their order: a request
+    of that model reads None for the others (a lookup that misses costs an AttributeError)."""
+    fields = getattr(model, "model_fields", None)  # None: not a pydantic model, every name is looked up
+    return tuple((name, reason) for name, reason in P.UNSUPPORTED_FIELDS.items()
+                 if fields is None or name in fields or hasattr(model, name))
+
+
 def usage_in_stream(options: Optional[P.StreamOptions]) -> tuple[bool, bool]:
     """(a usage chunk ends the stream, every chunk carries usage): vLLM's reading of
     ``stream_options``, where ``continuous_usage_stats`` takes effect only with ``include_usage``."""
@@ -215,7 +225,7 @@ class OpenAIServing:
     def _check_request(self, request: P.SamplingFields) -> None:
         """The checks every generation endpoint shares, before any work."""
         self._check_model(request.model)
-        for name, reason in P.UNSUPPORTED_FIELDS.items():
+        for name, reason in _unsupported_fields(type(request)):
             value = getattr(request, name, None)
             if value is not None and not (name == "priority" and value == 0):
                 raise InvalidRequestError(f"{reason}; leave `{name}` out.", param=name)
