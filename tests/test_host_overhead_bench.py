@@ -52,3 +52,23 @@ def test_smallest_matrix_reports_every_row_with_real_times(tmp_path):
     assert len(table) == 2 + len(rows)  # header, rule, one line per point
     assert "period at D = 0.5 ms" in table[0]
     assert any("| structured |" in line for line in table)
+
+
+@pytest.mark.timeout(300)
+def test_host_sections_reports_each_part_of_the_step(tmp_path):
+    """bench/host_sections.py at its smallest: a row per context, each part's min / median a real
+    time, no part's minimum above the whole step's. No speed is asserted."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "host_sections.py"), "--batch", "2", "--contexts", "32,64",
+         "--variant", "penalties", "--steps", "3"], cwd=REPO, capture_output=True, text=True, timeout=290)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    assert table[0].split("|")[2:-1] == [" scheduler ", " input tensors ", " sampling ", " engine outputs ",
+                                          " whole step "]
+    rows = table[2:]
+    assert [row.split("|")[1].strip() for row in rows] == ["2 x 32 penalties", "2 x 64 penalties"]
+    for row in rows:
+        cells = [[float(x) for x in cell.split("/")] for cell in row.split("|")[2:-1]]
+        assert all(0 < low <= median for low, median in cells), row
+        # Every part runs inside the step, so in each step it takes no more: nor does its minimum.
+        assert all(low <= cells[-1][0] for low, _ in cells[:-1]), row
