@@ -105,6 +105,29 @@ def backend_and_frontend(loop: LoopThread, engine, limits=None) -> Iterator[tupl
         loop.run(server.stop(0))
 
 
+@contextmanager
+def tiny_llama_backend(checkpoint, limits, **config) -> Iterator[tuple]:
+    """An AsyncLLMEngine (fp32, 64 KV blocks of 4, 64 positions, 4 sequences; ``config`` overrides
+    or adds EngineConfig fields) over the tiny Llama at ``checkpoint``, behind the backend's gRPC
+    server on a loop of its own: yields (engine, loop, server, limits); stops all of them."""
+    from backend.engine.async_llm_engine import AsyncLLMEngine
+    from backend.server.grpc_server import BackendServer
+    from backend.types.config import EngineConfig
+
+    loop = LoopThread()
+    engine = AsyncLLMEngine(EngineConfig(**{"model": str(checkpoint), "dtype": "float32", "num_kv_blocks": 64,
+                                            "block_size": 4, "max_model_len": 64, "max_num_seqs": 4, **config}),
+                            limits)
+    server = BackendServer(engine, "127.0.0.1", 0, limits=limits)
+    loop.run(server.start())
+    try:
+        yield engine, loop, server, limits
+    finally:
+        loop.run(server.stop(0))
+        engine.shutdown()
+        loop.close()
+
+
 def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -15,13 +15,10 @@ from types import SimpleNamespace
 import grpc
 import httpx
 import pytest
-from helpers import LoopThread, backend_and_frontend
+from helpers import backend_and_frontend, tiny_llama_backend
 
-from backend.engine.async_llm_engine import AsyncLLMEngine
 from backend.server.generate_stream import GenerateStreamCall
-from backend.server.grpc_server import BackendServer
 from backend.server.proto_convert import prompt_logprobs_bytes_bound, responses_from_output
-from backend.types.config import EngineConfig
 from backend.types.limits import Limits
 from backend.types.outputs import EngineOutput, Logprob
 from backend.types.sampling_params import SamplingParams
@@ -138,15 +135,8 @@ def test_generate_stream_sends_a_big_entry_in_pieces_and_ends_only_an_unsendable
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint):
     limits = Limits(max_logprobs=-1, max_grpc_message_bytes=MESSAGE_LIMIT)
-    loop = LoopThread()
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=64,
-                                         block_size=4, max_model_len=64, max_num_seqs=4), limits)
-    server = BackendServer(engine, "127.0.0.1", 0, limits=limits)
-    loop.run(server.start())
-    yield engine, loop, server, limits
-    loop.run(server.stop(0))
-    engine.shutdown()
-    loop.close()
+    with tiny_llama_backend(tiny_checkpoint("llama"), limits) as running:
+        yield running
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=VOCAB, logprobs=2)

@@ -13,12 +13,9 @@ from typing import Optional
 
 import grpc
 import pytest
-from helpers import LoopThread
+from helpers import tiny_llama_backend
 
-from backend.engine.async_llm_engine import AsyncLLMEngine
-from backend.server.grpc_server import BackendServer
 from backend.server.proto_convert import responses_from_output
-from backend.types.config import EngineConfig
 from backend.types.limits import Limits
 from backend.types.outputs import EngineOutput, FinishReason, Logprob
 from backend.types.sampling_params import SamplingParams
@@ -115,16 +112,8 @@ def test_prompt_logprobs_a_client_cannot_join_stay_whole_beside_the_first_tokens
 @pytest.fixture(scope="module")
 def backend(tiny_checkpoint):
     limits = Limits(max_logprobs=-1, max_grpc_message_bytes=MESSAGE_LIMIT)
-    loop = LoopThread()
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=64,
-                                         block_size=4, max_model_len=64, max_num_seqs=4,
-                                         stream_interval=INTERVAL), limits)
-    server = BackendServer(engine, "127.0.0.1", 0, limits=limits)
-    loop.run(server.start())
-    yield engine, loop, server, limits
-    loop.run(server.stop(0))
-    engine.shutdown()
-    loop.close()
+    with tiny_llama_backend(tiny_checkpoint("llama"), limits, stream_interval=INTERVAL) as running:
+        yield running
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=INTERVAL + 8, logprobs=VOCAB, ignore_eos=True)
