@@ -151,8 +151,8 @@ def test_the_lock_file_sits_beside_the_library_under_another_name(tmp_path):
 # --- the scratch folder and the compilers, however a build ends -------------------------------------
 
 def scratch_compiler(tmp_path: Path, fail: str = "", sleep: int = 0) -> str:
-    """A compiler that fails on a command naming ``fail``, else records its pid in ``pids`` and
-    sleeps ``sleep`` s (0: writes its -o file at once)."""
+    """A compiler that fails on a command naming ``fail`` (once another has recorded its pid, or
+    after 5 s), else records its pid in ``pids`` and sleeps ``sleep`` s (0: writes its -o file at once)."""
     script = tmp_path / "scratch-c++"
     script.write_text(f"""#!/bin/sh
 out=""; prev=""
@@ -160,7 +160,9 @@ for a in "$@"; do
   case "$a" in --version) echo fake 1.0; exit 0;; esac
   [ "$prev" = "-o" ] && out="$a"; prev="$a"
 done
-case "$*" in *"{fail or '@never@'}"*) echo "fake: an error in {fail}" >&2; exit 1;; esac
+case "$*" in *"{fail or '@never@'}"*)
+  for _ in $(seq 50); do [ -s {tmp_path / "pids"} ] && break; sleep 0.1; done
+  echo "fake: an error in {fail}" >&2; exit 1;; esac
 echo $$ >> {tmp_path / "pids"}
 [ {sleep} -gt 0 ] && exec sleep {sleep}
 touch "$out"
@@ -182,7 +184,8 @@ def running(pid: int) -> bool:
     return True
 
 
-def test_a_failed_compile_stops_the_others_at_once_and_leaves_no_folder(tmp_path):
+def test_a_failed_compile_stops_the_others_at_once_and_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "_usable_cores", lambda: 8)  # all compiles side by side, on any machine
     first = build.sources()[0].name
     output = tmp_path / "out" / "lib.so"
     start = time.monotonic()
@@ -202,7 +205,8 @@ def test_a_process_exiting_mid_build_stops_its_compilers_and_leaves_no_folder(tm
         from tandem_kernels import build, isa
         args = (isa.level_named("avx2"), {scratch_compiler(tmp_path, sleep=20)!r}, Path({str(output)!r}))
         threading.Thread(target=build.build, args=args, daemon=True).start()
-        while not Path({str(tmp_path / "pids")!r}).exists():
+        pids = Path({str(tmp_path / "pids")!r})
+        while not (pids.exists() and pids.read_text().strip()):
             time.sleep(0.05)
         sys.exit(3)
     """)], env=child_env())
