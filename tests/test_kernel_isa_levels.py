@@ -115,6 +115,17 @@ def test_this_compiler_takes_a_native_flag():
     assert build.native_flags(cxx) in (("-march=native",), ("-mcpu=native",))
 
 
+def test_the_native_flag_probe_writes_no_file(tmp_path):
+    """A probe killed with its process leaves nothing behind: it only checks the source's syntax."""
+    record = tmp_path / "args"
+    cxx = tmp_path / "recording-c++"
+    cxx.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {record}\nexit 0\n')
+    cxx.chmod(0o755)
+    assert build.native_flags(str(cxx)) in (("-march=native",), ("-mcpu=native",))
+    args = record.read_text().split()
+    assert "-fsyntax-only" in args and "-o" not in args and "-c" not in args
+
+
 def test_a_cpu_that_is_not_x86_64_builds_its_native_kernels_into_the_cache(monkeypatch, tmp_path, caplog):
     """Never looked for among the prebuilt ones; cached under a name of its machine and its flags; the
     build itself is faked (the real one is -march=native's, which this machine's own tests cover)."""

@@ -84,16 +84,15 @@ def native_flags(cxx: str) -> tuple[str, ...]:
     -march first); none where it takes neither (the compiler's default target, still correct)."""
     arm = platform.machine().lower().startswith(("aarch64", "arm"))
     candidates = ("-mcpu=native", "-march=native") if arm else ("-march=native", "-mcpu=native")
-    with tempfile.TemporaryDirectory() as tmp:
-        for flag in candidates:
-            try:
-                probe = [cxx, flag, "-Werror", "-x", "c++", "-c", "-", "-o", str(Path(tmp) / "probe.o")]
-                proc = subprocess.run(probe, input="int probe() { return 0; }\n", capture_output=True,
-                                      text=True, timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                return ()
-            if proc.returncode == 0:
-                return (flag,)
+    for flag in candidates:  # -fsyntax-only: the flag is checked, nothing is written anywhere
+        try:
+            probe = [cxx, flag, "-Werror", "-x", "c++", "-fsyntax-only", "-"]
+            proc = subprocess.run(probe, input="int probe() { return 0; }\n", capture_output=True,
+                                  text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return ()
+        if proc.returncode == 0:
+            return (flag,)
     return ()
 
 
