@@ -60,13 +60,17 @@ _TIMED_OUT = _TimedOut()
 
 
 class _Inbox:
-    """One request's arrivals (responses, then its end), and the consumer waiting on them."""
+    """One request's arrivals (responses, then its end), and the consumer waiting on them.
 
-    __slots__ = ("items", "waiter")
+    It keeps the event loop it was made on: ``asyncio.get_running_loop()`` costs a ``getpid``
+    system call (its fork check), and ``wait`` runs once per delta of every request."""
 
-    def __init__(self) -> None:
+    __slots__ = ("items", "waiter", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.items: collections.deque = collections.deque()
         self.waiter: Optional[asyncio.Future] = None
+        self._loop = loop
 
     def put(self, item: object) -> None:
         self.items.append(item)
@@ -84,7 +88,7 @@ class _Inbox:
                 waiter.set_result(None)
 
     async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
+        self.waiter = self._loop.create_future()
         await self.waiter
 
 
@@ -115,6 +119,7 @@ class MultiplexedStream:
         self._half_closed = False
         self._cancelled = False
         self._failure: Optional[Callable[[], BaseException]] = None  # set once the call has ended
+        self._loop = asyncio.get_running_loop()
         self._call = stub.GenerateStream(metadata=metadata)  # written by _write, read by _read
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
@@ -144,13 +149,13 @@ class MultiplexedStream:
         request_id = request.request_id
         if request_id in self._requests:  # its entries could not be told apart from the running one's
             raise InvalidRequestError(f"Request ID {request_id!r} is already in use.", param="request_id")
-        inbox = self._requests[request_id] = _Inbox()
+        inbox = self._requests[request_id] = _Inbox(self._loop)
         item = engine_pb2.StreamedGenerateRequest(request=request)
         timer = None
         if deadline is not None:
             remaining = max(deadline - time.monotonic(), 0.0)
             item.timeout_ms = math.ceil(remaining * 1000)
-            timer = asyncio.get_running_loop().call_later(remaining, inbox.put, _TIMED_OUT)
+            timer = self._loop.call_later(remaining, inbox.put, _TIMED_OUT)
         self._outgoing.append((item, item.ByteSize() + ITEM_FRAMING_BYTES))
         self._send_ready.set()
         ended = False  # the backend is done with it (its status came, or the call ended)

@@ -153,3 +153,20 @@ def test_the_fleet_bench_runs_every_layout(tokenizer_dir, tmp_path):
     for row in rows:
         assert row["tokens"] == row["requests"] * 8 and row["frontend_us_per_token"] > 0, row
         assert ("balancer_us_per_token" in row) == (row["layout"] != "direct"), row
+
+
+@pytest.mark.timeout(120)
+def test_the_floor_bench_streams_every_event_and_reports_real_figures(tmp_path):
+    """bench/frontend_floor.py: the bare app streams max_tokens events per request (counted by the
+    clients from each response's usage) and its CPU per token is read from /proc (enough tokens
+    for a few of its clock ticks)."""
+    out = tmp_path / "floor.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "frontend_floor.py"), "--concurrency", "2,4", "--max-tokens", "64",
+         "--tokens-per-run", "8192", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["concurrency"] for row in rows] == [2, 4]
+    for row in rows:
+        assert row["requests"] == 128 and row["tokens"] == 128 * 64, row
+        assert row["us_per_token"] > 0 and row["tokens_per_s"] > 0, row
