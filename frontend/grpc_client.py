@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 UNARY_TIMEOUT_S = 30.0  # a backend that does not answer a unary call by then counts as unavailable
 HEALTH_TIMEOUT_S = 1.0
+_POOLING_TYPES = {"last": engine_pb2.POOLING_TYPE_LAST, "mean": engine_pb2.POOLING_TYPE_MEAN,
+                  "cls": engine_pb2.POOLING_TYPE_CLS}
 # Reconnect within about a second of a restarted backend coming back (gRPC's default backoff
 # grows to two minutes, so a restarted backend would sit unused).
 RECONNECT_BACKOFF_MS = (100, 1000)  # initial, maximum
@@ -280,7 +282,7 @@ class GrpcEngineClient:
         try:
             request = engine_pb2.EmbedRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, normalize=pooling.normalize,
-                pooling_type=engine_pb2.POOLING_TYPE_MEAN if pooling.type == "mean" else engine_pb2.POOLING_TYPE_LAST)
+                pooling_type=_POOLING_TYPES[pooling.type])
         except ValueError as error:  # e.g. a negative token ID, which uint32 cannot hold
             raise InvalidRequestError(f"The request cannot be sent to the backend: {error}") from None
         await self._check_backend()

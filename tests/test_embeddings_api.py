@@ -56,7 +56,7 @@ def hf(server):
 def hf_vector(hf, token_ids: list[int], pooling: str = "last", normalize: bool = True) -> np.ndarray:
     with torch.no_grad():
         hidden = hf[1](torch.tensor([token_ids])).last_hidden_state[0]  # [len, hidden]
-    vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+    vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
     if normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
     return vector.numpy()
@@ -85,6 +85,10 @@ def test_sdk_embeddings_equal_hf_pooled_hidden_states(client, server, hf):
     np.testing.assert_allclose(mean.data[0].embedding, hf_vector(hf, token_ids[0], "mean", False), atol=1e-3,
                                rtol=0)
     assert abs(np.linalg.norm(mean.data[0].embedding) - 1.0) > 1e-2  # really not normalized
+    cls = client.embeddings.create(model=server[1], input=TEXTS, encoding_format="float",
+                                   extra_body={"pooling_type": "cls"})
+    for ids, item in zip(token_ids, cls.data):
+        np.testing.assert_allclose(item.embedding, hf_vector(hf, ids, "cls"), atol=1e-3, rtol=0)
 
 
 @pytest.mark.timeout(300)
@@ -107,7 +111,7 @@ def test_base64_is_little_endian_float32_of_the_float_answer(server):
     ({"input": list(range(1, MAX_MODEL_LEN + 1))}, "input"),
     ({"input": [10**9]}, "input"),
     ({"input": "hello", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "hello", "pooling_type": "cls"}, "pooling_type"),
+    ({"input": "hello", "pooling_type": "step"}, "pooling_type"),  # vLLM's, not Tandem's
     ({"input": "hello", "unknown_field": 1}, "unknown_field"),
 ])
 def test_refusals_are_400s_naming_the_field(server, body, param):

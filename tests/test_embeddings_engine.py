@@ -22,7 +22,7 @@ def hf_pooled(model_dir, prompt, kind, normalize):
     model = AutoModel.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
     with torch.no_grad():
         hidden = model(torch.tensor([prompt])).last_hidden_state[0]  # [len, hidden]
-    vector = hidden[-1] if kind == "last" else hidden.mean(0)
+    vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[kind]
     return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
 
 
@@ -44,14 +44,15 @@ def test_embed_equals_hf_through_chunked_prefill_beside_generation(model_dir, as
         async def generation():
             return [o async for o in engine.generate("gen", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6))]
 
-        cases = [(i, kind, normalize) for i in range(len(PROMPTS)) for kind in ("last", "mean")
+        cases = [(i, kind, normalize) for i in range(len(PROMPTS)) for kind in ("last", "mean", "cls")
                  for normalize in (True, False)]
         results = await asyncio.gather(generation(), *(
             engine.embed(f"e{i}-{kind}-{normalize}", PROMPTS[i], PoolingParams(kind, normalize))
             for i, kind, normalize in cases))
-        # The same prompt again: a prefix-cache hit for last pooling, none for mean (its own salt).
+        # The same prompt again: a prefix-cache hit for last pooling, none for mean and CLS (their
+        # own salt).
         again = await asyncio.gather(*(engine.embed(f"again-{kind}", PROMPTS[0], PoolingParams(kind))
-                                       for kind in ("last", "mean")))
+                                       for kind in ("last", "mean", "cls")))
         return cases, results[1:], again
 
     try:
@@ -60,7 +61,7 @@ def test_embed_equals_hf_through_chunked_prefill_beside_generation(model_dir, as
             assert len(vector) == 64
             expected = hf_pooled(model_dir, PROMPTS[i], kind, normalize)
             torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-3, rtol=0)
-        for kind, vector in zip(("last", "mean"), again):
+        for kind, vector in zip(("last", "mean", "cls"), again):
             torch.testing.assert_close(torch.tensor(vector), hf_pooled(model_dir, PROMPTS[0], kind, True),
                                        atol=1e-3, rtol=0)
         core = engine.engine
@@ -84,6 +85,6 @@ def test_embed_refuses_what_generation_refuses(model_dir):
         assert asyncio.run(refused([])).param == "prompt"
         assert asyncio.run(refused(list(range(40)))).param == "prompt"
         with pytest.raises(InvalidRequestError):
-            PoolingParams("cls")
+            PoolingParams("step")  # vLLM's, not Tandem's
     finally:
         engine.shutdown()

@@ -205,6 +205,16 @@ def test_bad_http_request_gets_its_4xx_and_openai_error_json(stack, route, body,
     assert_serving(stack)
 
 
+def test_a_validation_message_names_the_field_and_pydantic_kind(stack):
+    # vLLM's messages carry pydantic's error kind; clients written for vLLM match on it.
+    for seed, kind in ((-2**63 - 1, "greater_than_equal"), (2**64, "less_than_equal")):
+        response = stack.http.post(CHAT, json={"messages": MESSAGES, "seed": seed})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "seed" and error["message"].startswith("seed: ")
+        assert f"[type={kind}]" in error["message"], error
+
+
 # ---- HTTP, Anthropic's Messages API: (route, body, status, a word its message holds) -------------
 
 M, COUNT = "/v1/messages", "/v1/messages/count_tokens"

@@ -210,7 +210,7 @@ REFUSALS = [
     ("/score", {"text_1": "a", "text_2": "b", "softmax": True}, "softmax"),
     ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority"),
     ("/score", {"text_1": "a", "text_2": "b", "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
-    ("/score", {"text_1": "a", "text_2": "b", "pooling_type": "cls"}, "pooling_type"),
+    ("/score", {"text_1": "a", "text_2": "b", "pooling_type": "step"}, "pooling_type"),
     ("/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/score", {"text_1": "a", "text_2": "b", "data_1": "a"}, "data_1"),
     ("/score", {"text_1": "a", "text_2": "b", "model": "no-such-model"}, None),

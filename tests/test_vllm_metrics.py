@@ -90,9 +90,9 @@ def test_the_api_ports_metrics_serve_vllms_names_beside_tandems(stack):
                           "request_queue_time_seconds", "request_prefill_time_seconds",
                           "request_inference_time_seconds", "request_decode_time_seconds"):
             assert value(prefix + histogram + "_count") == 1, histogram
-        # The prompt in one step, then 3 decode steps (the 4th token is sampled, never fed back).
+        # vLLM's count: the prompt and the first token in one step, then 3 steps of one token each.
         assert value(prefix + "iteration_tokens_total_count") == 4
-        assert value(prefix + "iteration_tokens_total_sum") == prompt_tokens + 3
+        assert value(prefix + "iteration_tokens_total_sum") == prompt_tokens + 4
         assert value(prefix + "iteration_tokens_total_bucket", le="1.0") == 3
         assert after[(prefix + "num_requests_running", (("model_name", model),))] == 0
         assert (prefix + "kv_cache_usage_perc", (("model_name", model),)) in after
@@ -118,7 +118,7 @@ def test_speculative_decoding_counters_appear_only_with_a_proposer():
         get_load=lambda: EngineLoad(num_requests_running=1, num_requests_waiting=0, kv_cache_usage=0.5),
         num_prompt_tokens_total=10, num_generation_tokens_total=20, num_draft_tokens_total=8,
         num_accepted_tokens_total=5, proposer=None,
-        scheduler=SimpleNamespace(num_preemptions_total=0, iteration_tokens=TokenHistogram()),
+        scheduler=SimpleNamespace(num_preemptions_total=0), iteration_tokens=TokenHistogram(),
         config=SimpleNamespace(block_size=4, enable_prefix_caching=True, kv_cache_dtype_name="float32"),
         block_manager=SimpleNamespace(num_blocks=64))
     collector = _EngineCollector(engine, "m")
@@ -128,3 +128,34 @@ def test_speculative_decoding_counters_appear_only_with_a_proposer():
     assert values["tandem:spec_decode_num_draft_tokens_total"] == 8
     assert values["tandem:spec_decode_num_accepted_tokens_total"] == 5
     assert "spec_decode_num_accepted_tokens" in VLLM_FAMILIES
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_tokens_count_as_vllm_counts_them_with_chunks_and_n(tiny_checkpoint, async_scheduling):
+    """Per step: tokens generated + the whole prompt of each sequence given its first token;
+    a step of prompt chunks alone is not observed (vLLM observes only steps with outputs)."""
+    from backend.engine.llm_engine import LLMEngine
+    from backend.types.config import EngineConfig
+    from backend.types.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", block_size=4,
+                                    num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16,
+                                    async_scheduling=async_scheduling))
+    try:
+        # 20 prompt tokens over a 16-token budget: the first step computes a chunk and generates
+        # nothing. n=2: each sequence counts its whole prompt, as vLLM's child requests do.
+        engine.add_request("a", list(range(3, 23)), SamplingParams(n=2, temperature=1.0, seed=1,
+                                                                   max_tokens=3, ignore_eos=True))
+        steps_with_tokens, first_token_steps, started = 0, 0, set()
+        while engine.has_unfinished_requests():
+            outputs = [output for output in engine.step() if output.new_token_ids]
+            steps_with_tokens += bool(outputs)
+            first_token_steps += any(output.index not in started for output in outputs)
+            started.update(output.index for output in outputs)
+        buckets, total = engine.iteration_tokens.cumulative()
+        assert total == 2 * (20 + 3)
+        assert buckets[-1] == ("+Inf", steps_with_tokens)
+        # Only the steps that give a sequence its first token carry a (20-token) prompt.
+        assert dict(buckets)["16.0"] == steps_with_tokens - first_token_steps
+    finally:
+        engine.shutdown()

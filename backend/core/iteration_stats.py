@@ -1,7 +1,8 @@
 """Tokens per engine step, kept as a histogram the metrics collector reads at scrape time.
 
-The scheduler observes each step's scheduled tokens (prompt chunks + decodes + drafts); the
-backend's ``/metrics`` reads the counts from another thread (``backend.server.metrics``). Each
+The engine observes each step's tokens as vLLM counts them: the tokens the step generated, plus
+the whole prompt of each sequence that got its first token in it (a prefill step that samples
+counts prompt + 1; a step of prompt chunks only is not observed). The backend's ``/metrics`` reads the counts from another thread (``backend.server.metrics``). Each
 observation is a bisect and two increments, so it costs nothing per step.
 """
 

@@ -15,7 +15,6 @@ from collections import deque
 from typing import Optional
 
 from backend.core.block_manager import BlockManager
-from backend.core.iteration_stats import TokenHistogram
 from backend.core.request import Request, RequestStatus
 from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from backend.types.outputs import FinishReason
@@ -34,7 +33,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions_total = 0
-        self.iteration_tokens = TokenHistogram()  # tokens scheduled per step (for /metrics)
 
     # ---- queue management ----------------------------------------------------
 
@@ -142,8 +140,6 @@ class Scheduler:
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, set()
-        if scheduled:
-            self.iteration_tokens.observe(self.max_num_batched_tokens - budget)
         return SchedulerOutput(scheduled=scheduled,
                                num_scheduled_tokens=self.max_num_batched_tokens - budget,
                                finished_request_ids=finished, num_preempted=num_preempted)

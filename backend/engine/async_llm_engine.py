@@ -108,8 +108,9 @@ class AsyncLLMEngine:
         the scheduler like any other (chunked, batched), samples one throwaway greedy token, and
         frees its blocks. Raises as ``generate`` does."""
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
-        # Mean pooling needs every position computed here: a salt of its own means no prefix hit.
-        salt = f"embed-{uuid.uuid4().hex}" if pooling.type == "mean" else None
+        # Mean and CLS pooling need the first positions computed here: a salt of its own means no
+        # prefix hit.
+        salt = f"embed-{uuid.uuid4().hex}" if pooling.type in ("mean", "cls") else None
         async with contextlib.aclosing(self.generate(request_id, prompt_token_ids, params, deadline=deadline,
                                                      cache_salt=salt)) as outputs:
             async for output in outputs:

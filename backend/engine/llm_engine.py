@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 from backend.core.beam_search import BeamSearch
 from backend.core.block_manager import BlockManager
+from backend.core.iteration_stats import TokenHistogram
 from backend.core.request import Request
 from backend.core.scheduler import Scheduler
 from backend.core.spec_decode import NgramProposer, propose_drafts
@@ -75,6 +76,11 @@ class LLMEngine:
             json_max_whitespace=config.json_max_whitespace)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # Tokens per step as vLLM counts them (for /metrics): the tokens generated in the step, plus
+        # the whole prompt of each sequence whose first token it generated; steps with neither
+        # (prompt chunks only) are not observed.
+        self.iteration_tokens = TokenHistogram()
+        self._first_token_prompts = 0  # prompt tokens of sequences given their first token this step
         self.speculative = config.speculative
         self.proposer = NgramProposer(self.speculative) if self.speculative else None
         self.async_scheduling = self.config.use_async_scheduling
@@ -278,7 +284,7 @@ class LLMEngine:
         requests, epochs = self.scheduler.requests, step.epochs
         # The decode fast path (apply_decode_token) serves sequences that need nothing but their token.
         plain = not (constrained or self.beams or runner_out.prompt_logprobs or runner_out.pooled)
-        num_decoded = 0
+        num_decoded, generated_before, self._first_token_prompts = 0, self.num_generation_tokens_total, 0
         sampled, logprobs = runner_out.sampled_token_ids, runner_out.logprobs
         eos_token_ids, max_model_len, block_manager = self.eos_token_ids, self.config.max_model_len, self.block_manager
         for s in step.sched.scheduled:
@@ -306,6 +312,9 @@ class LLMEngine:
                 logger.exception("Updating request %r failed", request.parent_id)
                 outputs.extend(self._fail_request(request.parent_id, _failure_message(error)))
         self.num_generation_tokens_total += num_decoded
+        step_tokens = self.num_generation_tokens_total - generated_before + self._first_token_prompts
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
         for search in finished_rounds:
             if self.beams.get(search.request_id) is not search:  # it failed meanwhile
                 continue
@@ -351,6 +360,8 @@ class LLMEngine:
             self.block_manager, self._advance_grammar if constrained else None)
         outputs.append(output)
         self.num_generation_tokens_total += len(output.new_token_ids)
+        if output.scheduled_time is not None:  # its first token (set on the first output only)
+            self._first_token_prompts += output.num_prompt_tokens
         self.num_draft_tokens_total += s.num_draft_tokens
         self.num_accepted_tokens_total += accepted
         reason = output.finish_reason

@@ -77,9 +77,10 @@ class _EngineCollector(Collector):
         info.add_metric([str(config.block_size), str(self._engine.block_manager.num_blocks),
                          str(config.enable_prefix_caching), str(config.kv_cache_dtype_name)], 1)
         yield info
-        buckets, total = self._engine.scheduler.iteration_tokens.cumulative()
+        buckets, total = self._engine.iteration_tokens.cumulative()
         iteration = HistogramMetricFamily("tandem:iteration_tokens_total",
-                                          "Tokens scheduled in each engine step (prompt chunks, decodes, drafts).",
+                                          "Tokens per engine step: those generated, plus the whole prompt of each "
+                                          "sequence given its first token.",
                                           labels=["model_name"])
         iteration.add_metric([self._model_name], buckets, total)
         yield iteration

@@ -203,7 +203,7 @@ def prompt_logprobs_bytes_bound(num_prompt_tokens: int, prompt_logprobs: int, vo
 
 
 _POOLING_TYPES = {engine_pb2.POOLING_TYPE_UNSPECIFIED: "last", engine_pb2.POOLING_TYPE_LAST: "last",
-                  engine_pb2.POOLING_TYPE_MEAN: "mean"}
+                  engine_pb2.POOLING_TYPE_MEAN: "mean", engine_pb2.POOLING_TYPE_CLS: "cls"}
 
 
 def pooling_params_from_proto(request: engine_pb2.EmbedRequest) -> PoolingParams:

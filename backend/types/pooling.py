@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from backend.types.errors import InvalidRequestError
 
-POOLING_TYPES = ("last", "mean")  # vLLM's names; "last" is its default for causal LMs
+POOLING_TYPES = ("last", "mean", "cls")  # vLLM's names; "last" is its default for causal LMs
 
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """``type``: ``last`` (the last prompt token's hidden state) or ``mean`` (the mean over every
-    prompt token); ``normalize``: scale the pooled fp32 vector to unit L2 norm."""
+    """``type``: ``last`` (the last prompt token's hidden state), ``mean`` (the mean over every
+    prompt token) or ``cls`` (the first prompt token's hidden state); ``normalize``: scale the pooled fp32 vector to unit L2 norm."""
 
     type: str = "last"
     normalize: bool = True

@@ -3,8 +3,9 @@
 A pooling request runs through the scheduler like any prompt, possibly in several chunks; each
 step the runner hands this module the step's hidden states, and on the step that computes the
 last prompt token the pooled vector goes into ``ModelRunnerOutput.pooled``. Mean pooling keeps an
-fp32 running sum per request between chunks; a chunk starting at position 0 (a first run, or a
-run again after preemption) starts the sum afresh.
+fp32 running sum per request between chunks, CLS pooling the first token's row; a chunk starting
+at position 0 (a first run, or a run again after preemption) starts either afresh. Both need
+every prompt position computed here (the engine gives such requests a cache salt of their own).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from backend.messages.scheduler_output import ScheduledRequest
 
 class Pooler:
     def __init__(self) -> None:
-        self._sums: dict[str, torch.Tensor] = {}  # request ID -> [hidden] fp32 sum of rows so far
+        # request ID -> [hidden] fp32: mean pooling's sum of rows so far, CLS pooling's first row
+        self._sums: dict[str, torch.Tensor] = {}
 
     def step(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Pool this step's rows (hidden: [num_tokens, hidden], rows in ``scheduled`` order)."""
@@ -39,10 +41,17 @@ class Pooler:
                 out.failed[s.request_id] = "Mean pooling needs every prompt position computed."
                 return
             total += rows[:max(0, min(end, s.num_prompt_tokens) - s.start_pos)].float().sum(0)
+        elif pooling.type == "cls" and s.start_pos == 0:
+            self._sums[s.request_id] = rows[0].float()
         if end < s.num_prompt_tokens:
             return
         if pooling.type == "mean":
             vector = self._sums.pop(s.request_id) / s.num_prompt_tokens
+        elif pooling.type == "cls":
+            vector = self._sums.pop(s.request_id, None)
+            if vector is None:  # its first position was never computed here (a prefix-cache hit)
+                out.failed[s.request_id] = "CLS pooling needs the first prompt position computed."
+                return
         else:
             vector = rows[s.num_prompt_tokens - 1 - s.start_pos].float()
         if pooling.normalize:

@@ -23,8 +23,8 @@ class EmbeddingRequest(RequestModel):
     truncation_side: Optional[Literal["left", "right"]] = None  # "right" keeps the first tokens, else the last
     normalize: bool = True  # scale each vector to unit L2 norm
     # Tandem's: how the final hidden states are pooled (``last``: the last token's, as vLLM pools
-    # a causal language model; ``mean``: over every token).
-    pooling_type: Literal["last", "mean"] = "last"
+    # a causal language model; ``mean``: over every token; ``cls``: the first token's).
+    pooling_type: Literal["last", "mean", "cls"] = "last"
 
 
 class EmbeddingData(ResponseModel):

@@ -26,7 +26,7 @@ class ScoringFields(RequestModel):
     truncate_prompt_tokens: Optional[int] = None  # each text's last tokens (-1: as many as the model takes)
     truncation_side: Optional[Literal["left", "right"]] = None  # "right": the first tokens instead
     # Tandem's, as in /v1/embeddings: how each text's final hidden states are pooled.
-    pooling_type: Literal["last", "mean"] = "last"
+    pooling_type: Literal["last", "mean", "cls"] = "last"
     # Refused when set: CROSS_ENCODER_FIELDS, and priority other than 0 and mm_processor_kwargs
     # (UNSUPPORTED_FIELDS).
     use_activation: SkipJsonSchema[Optional[bool]] = None

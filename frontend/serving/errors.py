@@ -105,13 +105,15 @@ def error_json_response(status: int, body: P.ErrorResponse, retry_after_s: Optio
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
-    """Pydantic errors as one message (``field: problem; ...``) and the first field's name."""
+    """Pydantic errors as one message (``field: problem [type=kind]; ...``, the kind as pydantic
+    names it, which vLLM's messages carry too) and the first field's name."""
     parts, param = [], None
     for error in errors:
         location = [str(part) for part in error.get("loc", ()) if part != "body"]
         if param is None and location:
             param = location[0]
-        parts.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
+        kind = f" [type={error['type']}]" if error.get("type") else ""
+        parts.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}{kind}")
     return "; ".join(parts) or "Invalid request.", param
 
 

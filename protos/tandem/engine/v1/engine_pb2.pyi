@@ -19,6 +19,7 @@ class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
     POOLING_TYPE_LAST: _ClassVar[PoolingType]
     POOLING_TYPE_MEAN: _ClassVar[PoolingType]
+    POOLING_TYPE_CLS: _ClassVar[PoolingType]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -26,6 +27,7 @@ FINISH_REASON_ABORT: FinishReason
 POOLING_TYPE_UNSPECIFIED: PoolingType
 POOLING_TYPE_LAST: PoolingType
 POOLING_TYPE_MEAN: PoolingType
+POOLING_TYPE_CLS: PoolingType
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt", "accept_split_prompt_logprobs")
