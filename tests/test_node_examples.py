@@ -52,7 +52,7 @@ def test_generate_client_prints_the_engines_greedy_tokens(backend):
     assert printed[-1].endswith(f"[FINISH_REASON_{outputs[-1].finish_reason.name.upper()}]")
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 def test_embed_client_prints_the_engines_embedding(backend, pooling):
     engine, loop, server, _ = backend
     printed = json.loads(node("embed_client.js", f"127.0.0.1:{server.port}", pooling.upper(), *PROMPT))
