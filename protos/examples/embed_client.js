@@ -4,7 +4,7 @@
 //   cd protos/examples && npm install
 //   node embed_client.js localhost:50051 MEAN 1 4093 338   # address, pooling, then prompt token IDs
 //
-// The pooling is a PoolingType of engine.proto without its prefix (LAST, MEAN, ...).
+// The pooling is a PoolingType of engine.proto without its prefix: LAST, MEAN or CLS.
 'use strict';
 
 const grpc = require('@grpc/grpc-js');
