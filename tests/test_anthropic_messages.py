@@ -1,6 +1,6 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) over the chat endpoint.
 
-Against the fake engine of tests/test_api_server.py (a fixed script of tokens;
+Against the fake engine of tests/fake_engine.py (a fixed script of tokens;
 a test sets the script to the reply it needs, e.g. a tool call): the exact
 shapes and mapping over raw HTTP (Starlette's TestClient). The ``anthropic``
 SDK's tests are in tests/test_anthropic_sdk.py.
@@ -14,7 +14,7 @@ import pytest
 from conftest import TINY_VOCAB
 from fastapi.testclient import TestClient
 from test_invalid_unicode import _can_hold_text
-from test_api_server import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.limits import Limits
 from backend.types.outputs import ModelInfo

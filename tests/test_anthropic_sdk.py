@@ -1,5 +1,5 @@
 """The ``anthropic`` SDK from PyPI against Tandem's Messages API: a live server on loopback over the
-fake engine of tests/test_api_server.py (create, stream, count_tokens, a tool round trip, a client
+fake engine of tests/fake_engine.py (create, stream, count_tokens, a tool round trip, a client
 leaving mid-stream), then the real stack (a tiny random Llama behind the gRPC backend): a tool round
 trip, created and streamed, whose call the constraint makes valid.
 """
@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from helpers import LoopThread, tiny_llama_stack, uvicorn_on, wait_for
 from test_anthropic_messages import CALL_TEXT, CITY_TOOL, USER, WEATHER, body, make_app, say
-from test_api_server import MODEL, FakeEngine, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MODEL, FakeEngine, tokenizer, tokenizer_dir  # noqa: F401
 
 
 # ---- the anthropic SDK against a live server ------------------------------------------------------

@@ -2,7 +2,7 @@
 prompt (refused before tokenizing) and a big prompt the context admits (tokenized off the event
 loop) are in flight keep their median latency within 2x of their median alone.
 
-The frontend runs in a process of its own over the tests' fake engine (test_api_server.FakeEngine),
+The frontend runs in a process of its own over the tests' fake engine (fake_engine.FakeEngine),
 so the test client's work never competes with it for the GIL.
 """
 
@@ -31,7 +31,7 @@ import uvicorn
 from backend.types.outputs import ModelInfo
 from frontend.app import create_app
 from frontend.tokenizer import load_tokenizer
-from test_api_server import FakeEngine
+from fake_engine import FakeEngine
 tokenizer = load_tokenizer({tokenizer!r})
 engine = FakeEngine(tokenizer)
 app = create_app(engine, tokenizer, ModelInfo("m", {max_model_len}, 384, [engine.eos]))

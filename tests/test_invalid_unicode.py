@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY_VOCAB, build_tokenizer
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
-from test_api_server import FakeEngine
+from fake_engine import FakeEngine
 
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import ModelInfo

@@ -11,7 +11,7 @@ import functools
 import operator
 
 import pytest
-from test_api_server import tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import tokenizer, tokenizer_dir  # noqa: F401
 from test_tool_calls import MODEL, SDK_TIME, SDK_WEATHER, live, say  # noqa: F401
 
 pytest.importorskip("langchain_openai")

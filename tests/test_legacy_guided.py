@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from test_api_server import MODEL, assert_openai_error, engine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MODEL, assert_openai_error, engine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
 from test_openai_extensions import SCHEMA, chat, client, completion  # noqa: F401
 
 from frontend.protocol import UNSUPPORTED_FIELDS

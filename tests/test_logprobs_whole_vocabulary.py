@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB
 from fastapi.testclient import TestClient
-from test_api_server import CHAT, MODEL, assert_openai_error, engine, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import CHAT, MODEL, assert_openai_error, engine, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.engine.request_checks import validate_request
 from backend.types.errors import InvalidRequestError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 from conftest import TINY_VOCAB
-from test_api_server import MAX_MODEL_LEN, MODEL, assert_openai_error, engine, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MAX_MODEL_LEN, MODEL, assert_openai_error, engine, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.limits import Limits
 from backend.types.outputs import ModelInfo

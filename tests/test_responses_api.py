@@ -1,6 +1,6 @@
 """OpenAI's Responses API (/v1/responses, GET and DELETE /v1/responses/{id}) over the chat endpoint.
 
-Against the fake engine of tests/test_api_server.py (a fixed script of tokens;
+Against the fake engine of tests/fake_engine.py (a fixed script of tokens;
 a test sets the script to the reply it needs, e.g. a tool call): the mapping
 onto the chat request, the stream's event contract, tools, the store and
 previous_response_id, refusals. The openai SDK's tests are in
@@ -14,7 +14,7 @@ import json
 import pytest
 from conftest import TINY_VOCAB
 from fastapi.testclient import TestClient
-from test_api_server import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MODEL, FakeEngine, engine, expected_text, tokenizer, tokenizer_dir  # noqa: F401
 from test_invalid_unicode import _can_hold_text
 
 from backend.types.outputs import ModelInfo

@@ -1,5 +1,5 @@
 """The openai SDK's ``responses.create`` and ``responses.stream`` against Tandem's Responses API: a
-live server on loopback over the fake engine of tests/test_api_server.py (plain, streamed, a
+live server on loopback over the fake engine of tests/fake_engine.py (plain, streamed, a
 function-tool round trip, a continuation), then the real stack (a tiny random Llama behind the gRPC
 backend), where the chat endpoint's ``stream()`` with required tools is checked too.
 """
@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 from helpers import LoopThread, tiny_llama_stack, uvicorn_on
-from test_api_server import MODEL, FakeEngine, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MODEL, FakeEngine, tokenizer, tokenizer_dir  # noqa: F401
 from test_responses_api import CALL_TEXT, WEATHER, make_app, say
 
 

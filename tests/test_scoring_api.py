@@ -11,7 +11,7 @@ import base64
 
 import numpy as np
 import pytest
-from test_api_server import (MAX_MODEL_LEN, MODEL, FakeEngine, assert_openai_error, make_client, tokenizer,  # noqa: F401
+from fake_engine import (MAX_MODEL_LEN, MODEL, FakeEngine, assert_openai_error, make_client, tokenizer,  # noqa: F401
                              tokenizer_dir)
 
 from backend.types.limits import Limits

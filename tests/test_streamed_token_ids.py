@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import TINY_VOCAB
 from fastapi.testclient import TestClient
-from test_api_server import MODEL, engine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MODEL, engine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.outputs import ModelInfo
 from frontend.app import create_app

@@ -34,7 +34,7 @@ from backend.types.limits import Limits
 from backend.types.outputs import ModelInfo
 from frontend.app import create_app
 from frontend.tokenizer import load_tokenizer
-from test_api_server import FakeEngine
+from fake_engine import FakeEngine
 tokenizer = load_tokenizer({tokenizer!r})
 engine = FakeEngine(tokenizer)
 limits = Limits(trust_request_chat_template=True, chat_template_timeout_s={timeout_s}, chat_template_workers=2)

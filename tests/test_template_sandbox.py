@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY_VOCAB, build_tokenizer
 from fastapi.testclient import TestClient
 from helpers import wait_for
-from test_api_server import FakeEngine
+from fake_engine import FakeEngine
 
 from backend.types.errors import InvalidRequestError, OverloadedError
 from backend.types.limits import FRONTEND_LIMITS, Limits

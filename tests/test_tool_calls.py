@@ -10,7 +10,7 @@ import openai
 import pytest
 from conftest import TINY_VOCAB
 from helpers import LoopThread, uvicorn_on
-from test_api_server import MODEL, FakeEngine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
+from fake_engine import MODEL, FakeEngine, sse_events, tokenizer, tokenizer_dir  # noqa: F401
 
 from backend.types.errors import InvalidRequestError
 from backend.types.outputs import ModelInfo
