@@ -55,6 +55,32 @@ def test_bf16_dot_linear_refuses_a_weight_of_another_shape():
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("m, k, d", [(1, 40, 32), (5, 64, 64), (33, 71, 96)])  # 4-row tiles and leftovers, odd K
+def test_bf16_dot_gated_linear_is_silu_and_mul_of_bf16_dot_linear_bit_for_bit(m, k, d):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    weight = (torch.randn(2 * d, k, generator=gen) * k ** -0.5).bfloat16()
+    expected = cpu.silu_and_mul(cpu.bf16_dot_linear(x, cpu.bf16_pack_weight(weight), 2 * d, None))
+    got = cpu.bf16_dot_gated_linear(x, cpu.bf16_pack_weight(weight[cpu.amx_gated_order(d)]), d)
+    assert got.shape == (m, d) and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="gate | up weight"):
+        cpu.bf16_dot_gated_linear(x, cpu.bf16_pack_weight(weight), d + 16)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("half, bias", [(64, False), (48, False), (64, True)])  # fused; 48 and bias: not
+def test_bf16_dot_method_fuses_silu_into_gate_up_bit_for_bit(half, bias):
+    from test_linear_methods import gate_up_layer
+
+    layer, weight, b = gate_up_layer(Bf16DotLinearMethod(), half, bias, torch.bfloat16)
+    assert bool(layer.bf16_gated_half) == (half % 32 == 0 and not bias)
+    x = torch.randn(33, 40).bfloat16()
+    plain = layer(x)  # gate | up in the checkpoint's column order, whatever the packing
+    exact_close(plain, torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double()))
+    assert torch.equal(layer.forward_gated(x), cpu.silu_and_mul(plain))
+
+
+@needs_bf16_dot
 @pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40)])
 def test_bf16_dot_method_computes_f_linear(shape):
     from test_linear_methods import layer_with

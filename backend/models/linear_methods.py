@@ -124,19 +124,32 @@ class AmxLinearMethod(LinearMethod):
 
 
 class Bf16DotLinearMethod(LinearMethod):
-    """The layer keeps only the packed weight (``bf16_packed``): ``tandem_kernels.cpu.bf16_dot_linear``."""
+    """The layer keeps only the packed weight (``bf16_packed``): ``tandem_kernels.cpu.bf16_dot_linear``.
+    A gate | up pair (halves of a multiple of 32 features, no bias) is packed in
+    ``amx_gated_order``, so that ``apply_gated`` computes SiLU(gate) * up in the matmul's epilogue
+    (``tandem_kernels.cpu.bf16_dot_gated_linear``), as ``AmxLinearMethod`` does."""
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        layer.bf16_packed = tandem_kernels.cpu.bf16_pack_weight(layer.weight.detach())
+        weight = layer.weight.detach()
+        half = getattr(layer, "gated_half", None)
+        layer.bf16_gated_half = half if half and half % 32 == 0 and layer.bias is None else None
+        if layer.bf16_gated_half:
+            weight = weight[tandem_kernels.cpu.amx_gated_order(layer.bf16_gated_half)]
+        layer.bf16_packed = tandem_kernels.cpu.bf16_pack_weight(weight)
         layer.bf16_out_features = layer.weight.shape[0]
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if x.dim() == 2:
-            return tandem_kernels.cpu.bf16_dot_linear(x, layer.bf16_packed, layer.bf16_out_features, bias)
-        out = tandem_kernels.cpu.bf16_dot_linear(x.reshape(-1, x.shape[-1]), layer.bf16_packed,
-                                                 layer.bf16_out_features, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = tandem_kernels.cpu.bf16_dot_linear(rows, layer.bf16_packed, layer.bf16_out_features, bias)
+        if layer.bf16_gated_half:  # columns in panel order: back to gate | up
+            out = out.view(-1, layer.bf16_gated_half // 32, 2, 32).transpose(1, 2).reshape(out.shape)
         return out.view(*x.shape[:-1], layer.bf16_out_features)
+
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not layer.bf16_gated_half:
+            return super().apply_gated(layer, x, bias)
+        return tandem_kernels.cpu.bf16_dot_gated_linear(x, layer.bf16_packed, layer.bf16_gated_half)
 
 
 class Int8LinearMethod(LinearMethod):

@@ -330,6 +330,13 @@ def bf16_dot_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optiona
     return torch.ops.tandem_cpu.bf16_dot_linear(x, packed, n, bias)
 
 
+def bf16_dot_gated_linear(x: torch.Tensor, packed: torch.Tensor, d: int) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, d] bf16: SiLU(gate) * up, bit for bit silu_and_mul(bf16_dot_linear(x,
+    gate | up)), packed = bf16_pack_weight(weight[amx_gated_order(d)]) of the [2d, K] gate | up
+    weight (d % 32 == 0)."""
+    return torch.ops.tandem_cpu.bf16_dot_gated_linear(x, packed, d)
+
+
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """kernels.reference.w8a8_linear: x [M, K] float32 or bf16 quantized per row and 32-wide block,

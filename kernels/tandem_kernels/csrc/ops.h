@@ -63,5 +63,6 @@ Tensor amx_gated_linear(const Tensor& x, const Tensor& packed, int64_t d);
 bool bf16_dot_available();
 Tensor bf16_pack_weight(const Tensor& weight);
 Tensor bf16_dot_linear(const Tensor& x, const Tensor& packed, int64_t n_size, const c10::optional<Tensor>& bias);
+Tensor bf16_dot_gated_linear(const Tensor& x, const Tensor& packed, int64_t d);
 
 }  // namespace tandem
