@@ -14,13 +14,15 @@ matmul engine torch offers on this device:
                   dtype there: onednn bf16 is what it runs without AMX)
     tandem amx bf16   only where the CPU has AMX: Tandem's own kernel (kernels/tandem_kernels/csrc/amx_linear.cpp),
                   what the engine runs there instead of oneDNN
+    tandem dot bf16   only where the CPU has AVX-512 BF16 and no AMX: Tandem's own kernel
+                  (csrc/bf16_linear.cpp, vdpbf16ps), what the engine runs there instead of oneDNN
 
 The best unquantized torch engine's time is the decode step's ceiling at full
 precision, ``batch / time`` tokens/s (the int8 engine's is given apart: it
 changes the numbers). This ceiling divided by Tandem's own step time at the same
 batch is the "fraction of the ceiling" the performance targets speak of. Where
-Tandem's AMX kernel beats torch's, the step is also given against it ("ratio vs
-amx"): what the step adds to its own matmuls.
+Tandem's own bf16 kernel runs (AMX, or AVX-512 BF16 dot products), the step is also given
+against it ("ratio vs own"): what the step adds to its own matmuls.
 
     python bench/ceiling.py                    # default model, batches 1,8,32,64,128
     python bench/ceiling.py --batch-sizes 1,32 --json ceiling.json
@@ -96,7 +98,9 @@ def model_shapes(hf_config) -> tuple[list[tuple[int, int]], int]:
     return layer, c.num_hidden_layers
 
 
-OWN_AMX = "tandem amx bf16"  # Tandem's kernel, not torch's: kept out of the ceiling, timed beside it
+OWN_AMX = "tandem amx bf16"  # Tandem's kernels, not torch's: kept out of the ceiling, timed beside it
+OWN_DOT = "tandem dot bf16"
+OWN = (OWN_AMX, OWN_DOT)
 
 
 def engines(dtype_bf16: bool):
@@ -133,6 +137,9 @@ def engines(dtype_bf16: bool):
         if tandem_kernels.cpu.amx_available():
             out[OWN_AMX] = (lambda w: (tandem_kernels.cpu.amx_pack_weight(w.bfloat16()), w.shape[0]),
                             lambda x, s: tandem_kernels.cpu.amx_linear(x, s[0], s[1], None))
+        elif tandem_kernels.cpu.bf16_dot_available():
+            out[OWN_DOT] = (lambda w: (tandem_kernels.cpu.bf16_pack_weight(w.bfloat16()), w.shape[0]),
+                            lambda x, s: tandem_kernels.cpu.bf16_dot_linear(x, s[0], s[1], None))
     return out
 
 
@@ -280,7 +287,7 @@ def main() -> None:
 
             row[name] = best_time(step, 3, 1.0)
             del states
-        best = min((n for n in row if "int8" not in n and "int4" not in n and n != OWN_AMX), key=row.get)
+        best = min((n for n in row if "int8" not in n and "int4" not in n and n not in OWN), key=row.get)
         int8 = batch / row["int8"] if "int8" in row else float("nan")
         results["steps"].append({"batch": batch, "ms": {k: v * 1e3 for k, v in row.items()}, "best": best,
                                  "ceiling_tok_s": batch / row[best], "ceiling_int8_tok_s": int8})
@@ -296,12 +303,12 @@ def main() -> None:
         print("(KV MB: what a step's attention reads; ratio floor: (ceiling + those bytes at the measured "
               "bandwidth) / ceiling, the best ratio a step could reach)")
         available = engines(cpu_has_native_bf16())
-        own = OWN_AMX if OWN_AMX in available and args.quantization is None else None
+        own = next((n for n in OWN if n in available), None) if args.quantization is None else None
         if own:
-            print(f"(amx ms, ratio vs amx: the same for {own}, the matmuls this engine runs here)")
+            print(f"(own ms, ratio vs own: the same for {own}, the matmuls this engine runs here)")
         print(f"{'batch':>5} {'step median':>12} {'best':>6} {'ceiling median':>15} {'best':>6} {'tok/s':>7} "
               f"{'ratio (median of rounds)':>25} {'best / best':>12} {'KV MB':>7} {'ratio floor':>12}"
-              + (f" {'amx ms':>7} {'ratio vs amx':>13}" if own else ""))
+              + (f" {'own ms':>7} {'ratio vs own':>13}" if own else ""))
 
         def matmul_step(name: str, batch: int):
             """The step's weight matmuls on engine ``name``, weights prepared once."""

@@ -16,8 +16,9 @@ import tandem_kernels.cpu
 import tandem_kernels.reference
 from backend.models.linear import LinearMethod, MergedColumnParallelLinear, ReplicatedLinear
 from backend.models.int4_weights import quantize_int4
-from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Int4LinearMethod, Int8LinearMethod,
-                                           OneDnnLinearMethod, W8A8LinearMethod, linear_method_for, quantize_int8)
+from backend.models.linear_methods import (ONEDNN_CACHE_CAPACITY, AmxLinearMethod, Bf16DotLinearMethod, Int4LinearMethod,
+                                           Int8LinearMethod, OneDnnLinearMethod, W8A8LinearMethod, linear_method_for,
+                                           quantize_int8)
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import SamplingParams
@@ -154,6 +155,8 @@ def test_method_choice():
     assert isinstance(linear_method_for(cpu, torch.float32, None), OneDnnLinearMethod)
     if tandem_kernels.cpu.amx_available():
         bf16 = AmxLinearMethod
+    elif tandem_kernels.cpu.bf16_dot_available():  # AVX-512 BF16 without AMX
+        bf16 = Bf16DotLinearMethod
     elif torch.ops.mkldnn._is_mkldnn_bf16_supported():
         bf16 = OneDnnLinearMethod
     else:  # an AVX2-only CPU: oneDNN's bf16 reorder refuses the weights

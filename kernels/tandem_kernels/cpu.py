@@ -312,6 +312,31 @@ def amx_gated_linear(x: torch.Tensor, packed: torch.Tensor, d: int) -> torch.Ten
     return torch.ops.tandem_cpu.amx_gated_linear(x, packed, d)
 
 
+def bf16_dot_available() -> bool:
+    """Whether ``bf16_dot_linear`` runs here: the kernels are loaded and built for AVX-512 BF16."""
+    return available() and torch.ops.tandem_cpu.bf16_dot_available()
+
+
+def bf16_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> bf16 [ceil(N / 16), ceil(K / 2) * 32], the panels ``bf16_dot_linear``
+    reads (csrc/bf16_linear.cpp)."""
+    return torch.ops.tandem_cpu.bf16_pack_weight(weight)
+
+
+def bf16_dot_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] bf16 @ weight^T + bias -> [M, N] bf16, the weight packed by ``bf16_pack_weight``:
+    products exact, summed in fp32 over K in order (F.linear's math in another order), rounded
+    once; batch-invariant."""
+    return torch.ops.tandem_cpu.bf16_dot_linear(x, packed, n, bias)
+
+
+def bf16_dot_gated_linear(x: torch.Tensor, packed: torch.Tensor, d: int) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, d] bf16: SiLU(gate) * up, bit for bit silu_and_mul(bf16_dot_linear(x,
+    gate | up)), packed = bf16_pack_weight(weight[amx_gated_order(d)]) of the [2d, K] gate | up
+    weight (d % 32 == 0)."""
+    return torch.ops.tandem_cpu.bf16_dot_gated_linear(x, packed, d)
+
+
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """kernels.reference.w8a8_linear: x [M, K] float32 or bf16 quantized per row and 32-wide block,

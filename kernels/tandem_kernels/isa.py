@@ -11,8 +11,9 @@ like):
                  (Intel Skylake-SP and later)
     avx512_vnni  avx512 + AVX-512 VNNI: the int8 x int8 matmul's VNNI kernel (Intel Cascade Lake,
                  Ice Lake server, Cooper Lake)
-    avx512_bf16  avx512_vnni + AVX-512 BF16 and VBMI: bf16 dot products in attention and the int8 /
-                 int4 matmuls, fp8 caches widened to bf16 (AMD Zen 4+, Intel Sapphire Rapids+)
+    avx512_bf16  avx512_vnni + AVX-512 BF16 and VBMI: bf16 dot products in attention, the bf16
+                 matmuls (bf16_linear.cpp) and the int8 / int4 ones, fp8 caches widened to bf16
+                 (AMD Zen 4+, Intel Sapphire Rapids+)
     amx          avx512_bf16 + AMX tiles (TILE, BF16, INT8): amx_linear.cpp (Intel Sapphire Rapids+)
 
 Cooper Lake has BF16 but not VBMI, so it runs avx512_vnni. Below avx2 there is no fused build: the

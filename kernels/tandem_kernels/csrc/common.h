@@ -15,6 +15,7 @@
 //     w8a8_vnni.cpp            w8a8 on AVX-512 VNNI, on a packed weight
 //     int4_linear.cpp          4-bit weights in 32-wide groups (GGUF Q4_0 / Q4_1), float or bf16 activations
 //     amx_linear.cpp           bf16 linears on AMX tiles
+//     bf16_linear.cpp          bf16 linears with AVX-512 BF16 dot products, on a packed weight (no AMX)
 //     penalties.cpp            repetition / frequency / presence penalties from token tables
 //     ops.h                    every op's C++ signature; registration.cpp: their schemas
 // Each .cpp compiles on its own (in parallel) and all link into one library.

@@ -1,7 +1,7 @@
 // Every op's C++ signature, for registration.cpp (which gives each its schema) and for the op
 // families that call one another (attention_block runs rotary_embedding). Contracts are at each
 // definition: attention.cpp, elementwise.cpp, int8_linear.cpp, int8_bf16.cpp, w8a8_vnni.cpp,
-// int4_linear.cpp, amx_linear.cpp, penalties.cpp.
+// int4_linear.cpp, amx_linear.cpp, bf16_linear.cpp, penalties.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -58,5 +58,11 @@ bool amx_available();
 Tensor amx_pack_weight(const Tensor& w);
 Tensor amx_linear(const Tensor& x, const Tensor& packed, int64_t n_size, const c10::optional<Tensor>& bias);
 Tensor amx_gated_linear(const Tensor& x, const Tensor& packed, int64_t d);
+
+// bf16_linear.cpp
+bool bf16_dot_available();
+Tensor bf16_pack_weight(const Tensor& weight);
+Tensor bf16_dot_linear(const Tensor& x, const Tensor& packed, int64_t n_size, const c10::optional<Tensor>& bias);
+Tensor bf16_dot_gated_linear(const Tensor& x, const Tensor& packed, int64_t d);
 
 }  // namespace tandem

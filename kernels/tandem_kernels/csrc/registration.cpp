@@ -36,6 +36,10 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("amx_pack_weight(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("amx_gated_linear(Tensor x, Tensor packed, int d) -> Tensor");
+  m.def("bf16_dot_available() -> bool", &bf16_dot_available);  // no tensors: one kernel for every key
+  m.def("bf16_pack_weight(Tensor weight) -> Tensor");
+  m.def("bf16_dot_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_dot_gated_linear(Tensor x, Tensor packed, int d) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
@@ -58,4 +62,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("amx_pack_weight", &amx_pack_weight);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_gated_linear", &amx_gated_linear);
+  m.impl("bf16_pack_weight", &bf16_pack_weight);
+  m.impl("bf16_dot_linear", &bf16_dot_linear);
+  m.impl("bf16_dot_gated_linear", &bf16_dot_gated_linear);
 }
