@@ -280,8 +280,8 @@ class ModelRunner:
             if len(inputs.sample_rows) != len(inputs.logits_rows):  # else every row samples, in order
                 index = [i for _, i, _ in inputs.sample_rows]
                 logits = logits.index_select(0, list_tensor(index, device=self.device))
-            self._sample(logits, inputs.sample_rows, resolve_grammar(sched.grammar), out)
-            self._record_sampled(out)
+            counted = self._sample(logits, inputs.sample_rows, resolve_grammar(sched.grammar), out)
+            self._record_sampled(out, count_penalties=not counted)
         return out
 
     def _count_on_device(self, batch: SampledBatch, tokens: torch.Tensor) -> None:
@@ -307,16 +307,17 @@ class ModelRunner:
             self.last_sampled.pop(request_id, None)
 
     def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[ScheduledRequest, int, int]],
-                grammar, out: ModelRunnerOutput) -> None:
+                grammar, out: ModelRunnerOutput) -> bool:
         """Sample every request's rows at once (logits: [num_sample_rows, vocab]); should that
         raise, sample request by request, so one request's failure (its parameters, seed, grammar
-        mask, drafts) lands in ``out.failed`` and every other request still gets its tokens."""
+        mask, drafts) lands in ``out.failed`` and every other request still gets its tokens.
+        Returns whether the penalized requests' tokens are recorded in the penalty history."""
         if grammar is None and all(s.sampling_params.argmax_only and not s.num_draft_tokens
                                    for s, _, _ in sample_rows):
             # Hot path: every row is a plain greedy pick (no drafts, masks, logprobs or penalties).
             token_ids = kernels.argmax_rows(logits).tolist()
             out.sampled_token_ids.update(zip([s.request_id for s, _, _ in sample_rows], [[t] for t in token_ids]))
-            return
+            return False
         allowed = None
         if grammar is not None:  # structured outputs: only then is there work here
             # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.
@@ -326,10 +327,12 @@ class ModelRunner:
             sampled = self.sampler(logits, batch.rows, allowed, self.sampling.history, batch.classes)
             if batch.one_row_each and not batch.classes.logprobs:
                 out.sampled_token_ids.update(zip(batch.request_ids, [[t] for t in sampled.token_ids]))
-                return
+                if batch.slots:
+                    self.sampling.record(batch, sampled.token_ids)
+                return bool(batch.slots)
             for s, first, count in _groups(sample_rows):
                 self._take_tokens(s, sampled, first, count, out)
-            return
+            return False
         except Exception as error:  # noqa: BLE001
             if _is_device_fault(error):
                 raise
@@ -351,6 +354,7 @@ class ModelRunner:
                 out.sampled_token_ids.pop(s.request_id, None)
                 out.logprobs.pop(s.request_id, None)
                 out.failed[s.request_id] = _request_failure(error, "sampling")
+        return False
 
     @staticmethod
     def _take_tokens(s: ScheduledRequest, sampled, first: int, count: int, out: ModelRunnerOutput) -> None:

@@ -80,6 +80,11 @@ class PenaltyHistory:
                     pending_slots.extend([slot] * len(tokens))
                     pending_tokens.extend(tokens)
 
+    def record_rows(self, slots: list[int], tokens: list[int]) -> None:
+        """``record`` of one token per slot: ``tokens[i]`` sampled in ``slots[i]``."""
+        self._pending_slots.extend(slots)
+        self._pending_tokens.extend(tokens)
+
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count tokens [n] (int64, on the device) in slots [n] now, with no host round trip: a
         deferred step's tokens, which the next step's penalties must see before they reach the
