@@ -69,3 +69,31 @@ def test_a_table_appended_to_while_it_is_read_stays_consistent():
         assert count <= list.__len__(source)
         assert table[0].tolist() == list.__getitem__(source, slice(0, count))
         list.append(source, 7)
+
+
+def test_the_last_steps_table_is_updated_in_place_only_past_what_it_held():
+    """Same sequences, same order, blocks appended: the last step's array is kept and only gains
+    blocks past each row's old count (a step still reading it sees its own values); a new width,
+    a sequence that left, a freed row taken by another request or a rebuilt table: a new array."""
+    tables = BlockTables()
+    a, b, c = [1, 2], [3], [4, 5, 6]
+    order = lambda: [scheduled("a", a), scheduled("b", b), scheduled("c", c)]  # noqa: E731
+    first = tables.padded(order())
+    held = first.copy()
+    b.append(7)  # within the width (3): in place
+    second = tables.padded(order())
+    assert second is first and np.array_equal(second, from_lists([a, b, c]))
+    assert np.array_equal(np.where(held != 0, second, 0), held), "values a step read never change"
+    c.append(8)  # wider: a new array
+    third = tables.padded(order())
+    assert third is not second and np.array_equal(third, from_lists([a, b, c]))
+    tables.release(["b"])  # "d" takes b's row, at b's place in the batch, with other blocks
+    d = [9]
+    fourth = tables.padded([scheduled("a", a), scheduled("d", d), scheduled("c", c)])
+    assert np.array_equal(fourth, from_lists([a, d, c]))
+    a = [10, 11]  # a preemption: a new list for "a", same length
+    fifth = tables.padded([scheduled("a", a), scheduled("d", d), scheduled("c", c)])
+    assert fifth is not fourth and np.array_equal(fifth, from_lists([a, d, c]))
+    sixth = tables.padded([scheduled("c", c), scheduled("d", d), scheduled("a", a)])  # another order
+    assert np.array_equal(sixth, from_lists([c, d, a]))
+    assert np.array_equal(fifth, from_lists([a, d, c])), "a new order leaves the last array alone"

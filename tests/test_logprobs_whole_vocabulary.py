@@ -17,7 +17,8 @@ from backend.types.errors import InvalidRequestError
 from backend.types.limits import Limits
 from backend.types.outputs import ModelInfo
 from backend.types.sampling_params import SamplingParams
-from backend.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from backend.worker.logprobs import compute_prompt_logprobs
+from backend.worker.sampler import Sampler, SamplingRow
 from frontend.app import create_app
 
 # ---- the bound ---------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import torch
 
 import backend.worker.sampler as sampler_module
 from backend.types.sampling_params import SamplingParams
-from backend.worker.sampler import Sampler, SamplingRow, _apply_penalties, _apply_top_p, compute_prompt_logprobs
+from backend.worker.logprobs import compute_prompt_logprobs
+from backend.worker.sampler import Sampler, SamplingRow, _apply_penalties, _apply_top_p
 
 VOCAB = 200
 

@@ -31,9 +31,10 @@ from backend.worker.block_tables import BlockTables
 from backend.worker.deferred_step import DeferredStep
 from backend.worker.draft_acceptance import accept_drafts
 from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
-from backend.worker.penalty_history import PenaltyHistory
 from backend.worker.pooler import Pooler
-from backend.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from backend.worker.logprobs import compute_prompt_logprobs
+from backend.worker.sampler import Sampler
+from backend.worker.sampling_rows import SampledBatch, SamplingRows
 from backend.worker.staged_upload import StagedUpload, list_tensor
 from backend.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -51,8 +52,7 @@ class ModelRunner:
         self.model = None
         self.attn_layers: list[Attention] = []
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.generators: dict[str, torch.Generator] = {}
-        self.penalty_history: Optional[PenaltyHistory] = None  # made at the first penalized request
+        self.sampling = SamplingRows(device)  # seeded RNGs, the penalty history, each step's rows
         self.pooler = Pooler()  # embedding requests' pooled hidden states
         self.block_tables = BlockTables()  # each running sequence's table, extended step by step
         # Each sequence's last sampled token: what a placeholder in its next step's tokens stands for.
@@ -201,17 +201,6 @@ class ModelRunner:
                                  pending.rows if pending is not None else None,
                                  pending.tokens if pending is not None else None)
 
-    def _generator(self, s: ScheduledRequest) -> Optional[torch.Generator]:
-        seed = s.sampling_params.seed
-        if seed is None or s.sampling_params.greedy:
-            return None
-        gen = self.generators.get(s.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self.generators[s.request_id] = gen
-        return gen
-
     def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """The model's forward on this pipeline stage: receive the previous stage's activations,
         run this stage's layers, and pass them on (None) or return the final hidden states."""
@@ -247,14 +236,12 @@ class ModelRunner:
         are queued, its tokens still on the device, as a ``DeferredStep`` for ``read``; greedy:
         ``deferral`` found every token an argmax (no sampling rows to build)."""
         for request_id in sched.finished_request_ids:
-            self.generators.pop(request_id, None)
             self.last_sampled.pop(request_id, None)
             if self.pending is not None:
                 self.pending.forget(request_id)
         self.block_tables.release(sched.finished_request_ids)
         self.pooler.release(sched.finished_request_ids)
-        if self.penalty_history is not None:
-            self.penalty_history.release(sched.finished_request_ids)
+        self.sampling.release(sched.finished_request_ids)
         out = ModelRunnerOutput()
         if not sched.scheduled:
             return out
@@ -277,38 +264,40 @@ class ModelRunner:
                 out.failed[s.request_id] = _request_failure(error, "prompt logprobs")
 
         if defer:  # deferral: one row per sequence, the logits' rows in order, nothing read back
-            slots: dict[str, int] = {}
+            counted = False
             if greedy:
                 tokens = kernels.argmax_rows(logits)
+                request_ids = [s.request_id for s, _, _ in inputs.sample_rows]
             else:
-                slots = self._penalty_slots([s for s, _, _ in inputs.sample_rows], logits.shape[1])
-                tokens = self.sampler.sample_on_device(logits, self._sampling_rows(inputs.sample_rows, slots),
-                                                       self.penalty_history)
-                if slots:  # counted on the device, before the next step's penalties read them
-                    self._count_on_device([s.request_id for s, _, _ in inputs.sample_rows], slots, tokens)
-            self.pending = DeferredStep(out, [s.request_id for s, _, _ in inputs.sample_rows], tokens,
-                                        penalties_counted=bool(slots))
+                batch = self.sampling.batch(inputs.sample_rows, logits.shape[1])
+                tokens = self.sampler.sample_on_device(logits, batch.rows, self.sampling.history, batch.classes)
+                request_ids, counted = batch.request_ids, bool(batch.slots)
+                if counted:  # counted on the device, before the next step's penalties read them
+                    self._count_on_device(batch, tokens)
+            self.pending = DeferredStep(out, request_ids, tokens, penalties_counted=counted)
             return self.pending
         if inputs.sample_rows:
-            index = [i for _, i, _ in inputs.sample_rows]
-            if index != list(range(len(inputs.logits_rows))):
+            if len(inputs.sample_rows) != len(inputs.logits_rows):  # else every row samples, in order
+                index = [i for _, i, _ in inputs.sample_rows]
                 logits = logits.index_select(0, list_tensor(index, device=self.device))
-            self._sample(logits, inputs.sample_rows, resolve_grammar(sched.grammar), out)
-            self._record_sampled(out)
+            counted = self._sample(logits, inputs.sample_rows, resolve_grammar(sched.grammar), out)
+            self._record_sampled(out, count_penalties=not counted)
         return out
 
-    def _count_on_device(self, request_ids: list[str], slots: dict[str, int], tokens: torch.Tensor) -> None:
-        """Count a deferred step's tokens [len(request_ids)] (on the device) in the penalized
-        sequences' history slots."""
-        rows = [row for row, request_id in enumerate(request_ids) if request_id in slots]
-        index, row_index = self.upload([([slots[request_ids[row]] for row in rows], torch.int64),
-                                        (rows, torch.int64)])
-        self.penalty_history.count(index, tokens.index_select(0, row_index))
+    def _count_on_device(self, batch: SampledBatch, tokens: torch.Tensor) -> None:
+        """Count a deferred step's tokens [len(batch.rows)] (on the device) in the penalized
+        sequences' history slots (the index uploaded once while the batch is kept)."""
+        if batch.count_args is None:
+            rows = batch.classes.penalties
+            batch.count_args = tuple(self.upload([([batch.rows[row].penalty_slot for row in rows], torch.int64),
+                                                  (rows, torch.int64)]))
+        index, row_index = batch.count_args
+        self.sampling.history.count(index, tokens.index_select(0, row_index))
 
     def _record_sampled(self, out: ModelRunnerOutput, count_penalties: bool = True) -> None:
         """Keep each sequence's last token (for placeholders) and count penalized ones' tokens
         (unless counted on the device already)."""
-        history = self.penalty_history
+        history = self.sampling.history
         last_sampled = self.last_sampled
         for request_id, tokens in out.sampled_token_ids.items():
             last_sampled[request_id] = tokens[-1]
@@ -318,50 +307,46 @@ class ModelRunner:
             self.last_sampled.pop(request_id, None)
 
     def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[ScheduledRequest, int, int]],
-                grammar, out: ModelRunnerOutput) -> None:
+                grammar, out: ModelRunnerOutput) -> bool:
         """Sample every request's rows at once (logits: [num_sample_rows, vocab]); should that
         raise, sample request by request, so one request's failure (its parameters, seed, grammar
-        mask, drafts) lands in ``out.failed`` and every other request still gets its tokens."""
+        mask, drafts) lands in ``out.failed`` and every other request still gets its tokens.
+        Returns whether the penalized requests' tokens are recorded in the penalty history."""
         if grammar is None and all(s.sampling_params.argmax_only and not s.num_draft_tokens
                                    for s, _, _ in sample_rows):
             # Hot path: every row is a plain greedy pick (no drafts, masks, logprobs or penalties).
             token_ids = kernels.argmax_rows(logits).tolist()
             out.sampled_token_ids.update(zip([s.request_id for s, _, _ in sample_rows], [[t] for t in token_ids]))
-            return
-        groups: list[tuple[ScheduledRequest, int, int]] = []  # (request, first row, row count)
-        start = 0
-        while start < len(sample_rows):  # one request's rows are consecutive
-            s = sample_rows[start][0]
-            groups.append((s, start, s.num_draft_tokens + 1))
-            start += s.num_draft_tokens + 1
+            return False
         allowed = None
         if grammar is not None:  # structured outputs: only then is there work here
             # Constrained requests get no drafts (LLMEngine._propose_drafts): one row each.
             allowed = grammar.for_sampler_rows([s.request_id for s, _, _ in sample_rows])
         try:
-            slots = self._penalty_slots([s for s, _, _ in groups], logits.shape[1])
-            rows = self._sampling_rows(sample_rows, slots)
-            sampled = self.sampler(logits, rows, allowed, self.penalty_history)
-            if len(groups) == len(sample_rows) and all(p is None for p in sampled.logprobs):  # one row each, no logprobs
-                out.sampled_token_ids.update(zip([s.request_id for s, _, _ in sample_rows],
-                                                 [[t] for t in sampled.token_ids]))
-                return
-            for s, first, count in groups:
+            batch = self.sampling.batch(sample_rows, logits.shape[1])
+            sampled = self.sampler(logits, batch.rows, allowed, self.sampling.history, batch.classes)
+            if batch.one_row_each and not batch.classes.logprobs:
+                out.sampled_token_ids.update(zip(batch.request_ids, [[t] for t in sampled.token_ids]))
+                if batch.slots:
+                    self.sampling.record(batch, sampled.token_ids)
+                return bool(batch.slots)
+            for s, first, count in _groups(sample_rows):
                 self._take_tokens(s, sampled, first, count, out)
-            return
+            return False
         except Exception as error:  # noqa: BLE001
             if _is_device_fault(error):
                 raise
+            self.sampling.forget_batch()
             logger.warning("Sampling the batch failed (%s: %s); sampling request by request",
                            type(error).__name__, error)
         out.sampled_token_ids.clear()
         out.logprobs.clear()
-        for s, first, count in groups:
+        for s, first, count in _groups(sample_rows):
             try:
-                slots = self._penalty_slots([s], logits.shape[1])
-                rows = [self._sampling_row(s, j, slots) for j in range(count)]
+                slots = self.sampling.penalty_slots([s], logits.shape[1])
+                rows = [self.sampling.row(s, j, slots) for j in range(count)]
                 sub_allowed = allowed.subset(first, count) if allowed is not None else None
-                sampled = self.sampler(logits[first:first + count], rows, sub_allowed, self.penalty_history)
+                sampled = self.sampler(logits[first:first + count], rows, sub_allowed, self.sampling.history)
                 self._take_tokens(s, sampled, 0, count, out)
             except Exception as error:  # noqa: BLE001
                 if _is_device_fault(error):
@@ -369,41 +354,7 @@ class ModelRunner:
                 out.sampled_token_ids.pop(s.request_id, None)
                 out.logprobs.pop(s.request_id, None)
                 out.failed[s.request_id] = _request_failure(error, "sampling")
-
-    def _penalty_slots(self, requests: list[ScheduledRequest], vocab_size: int) -> dict[str, int]:
-        """Request ID -> its row in ``penalty_history``, for the requests with penalties, each
-        with its outputs so far counted (only the new ones are added: O(new tokens))."""
-        penalized = [s for s in requests if s.sampling_params.has_penalties]
-        if not penalized:
-            return {}
-        if self.penalty_history is None:
-            self.penalty_history = PenaltyHistory(vocab_size, self.device)
-        slots = self.penalty_history.update([(s.request_id, s.prompt_token_ids, s.output_token_ids,
-                                              s.num_prior_outputs) for s in penalized])
-        return {s.request_id: slot for s, slot in zip(penalized, slots)}
-
-    def _sampling_rows(self, sample_rows: list[tuple[ScheduledRequest, int, int]],
-                       penalty_slots: dict[str, int]) -> list[SamplingRow]:
-        """A SamplingRow per (request, _, draft offset); the common row (no draft before it, no
-        seed) is built inline: this runs for every sampled row of every step."""
-        rows = []
-        for s, _, j in sample_rows:
-            params = s.sampling_params
-            if j or (params.seed is not None and not params.greedy):
-                rows.append(self._sampling_row(s, j, penalty_slots))
-            else:
-                rows.append(SamplingRow(params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id, None,
-                                        penalty_slots.get(s.request_id), (),
-                                        len(s.output_token_ids) if s.num_output_tokens is None
-                                        else s.num_output_tokens))
-        return rows
-
-    def _sampling_row(self, s: ScheduledRequest, draft_offset: int, penalty_slots: dict[str, int]) -> SamplingRow:
-        drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:draft_offset] if draft_offset else ()
-        return SamplingRow(params=s.sampling_params, prompt_token_ids=s.prompt_token_ids,
-                           output_token_ids=_history(s, draft_offset), eos_token_id=s.eos_token_id,
-                           generator=self._generator(s), penalty_slot=penalty_slots.get(s.request_id),
-                           extra_history=drafts, num_output_tokens=s.num_prior_outputs + draft_offset)
+        return False
 
     @staticmethod
     def _take_tokens(s: ScheduledRequest, sampled, first: int, count: int, out: ModelRunnerOutput) -> None:
@@ -434,8 +385,12 @@ def _request_failure(error: BaseException, stage: str) -> str:
     return f"The request's {stage} failed inside the engine: {type(error).__name__}: {error}"
 
 
-def _history(s: ScheduledRequest, draft_offset: int) -> list[int]:
-    """The output tokens before sample row ``draft_offset`` of a request (drafts before it count)."""
-    if not draft_offset:
-        return s.output_token_ids
-    return s.output_token_ids[:s.num_prior_outputs] + s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:draft_offset]
+def _groups(sample_rows: list[tuple[ScheduledRequest, int, int]]) -> list[tuple[ScheduledRequest, int, int]]:
+    """(request, first sample row, row count) per request: one request's rows are consecutive."""
+    groups = []
+    start = 0
+    while start < len(sample_rows):
+        s = sample_rows[start][0]
+        groups.append((s, start, s.num_draft_tokens + 1))
+        start += s.num_draft_tokens + 1
+    return groups

@@ -59,7 +59,7 @@ class PenaltyHistory:
                 self._pending_slots.extend([slot] * num_outputs)
                 self._pending_tokens.extend(output[:num_outputs])
             slots.append(slot)
-        self._flush()
+        self.flush()
         return slots
 
     def record(self, request_id: str, tokens: Sequence[int]) -> None:
@@ -80,14 +80,20 @@ class PenaltyHistory:
                     pending_slots.extend([slot] * len(tokens))
                     pending_tokens.extend(tokens)
 
+    def record_rows(self, slots: list[int], tokens: list[int]) -> None:
+        """``record`` of one token per slot: ``tokens[i]`` sampled in ``slots[i]``."""
+        self._pending_slots.extend(slots)
+        self._pending_tokens.extend(tokens)
+
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count tokens [n] (int64, on the device) in slots [n] now, with no host round trip: a
         deferred step's tokens, which the next step's penalties must see before they reach the
         host. The runner does not ``record`` them again."""
-        self._flush()
+        self.flush()
         self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Count the recorded tokens now (``update`` does; a caller reusing its slots calls this)."""
         if self._pending_tokens:
             index = (list_tensor(self._pending_slots, device=self.device),
                      list_tensor(self._pending_tokens, device=self.device))
@@ -102,7 +108,7 @@ class PenaltyHistory:
             if slot is not None:
                 self.free_slots.append(slot)
         if self._pending_tokens:  # a freed slot's pending tokens must not land in its next sequence
-            self._flush()
+            self.flush()
 
     def gather(self, slots: list[int], extra_tokens: Sequence[Sequence[int]],
                need_seen: bool) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -9,14 +9,15 @@ transforms.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from tandem_kernels import ops as kernels
-from backend.types.outputs import Logprob, PositionLogprobs
+from backend.types.outputs import PositionLogprobs
 from backend.types.sampling_params import SamplingParams
+from backend.worker.logprobs import position_logprobs
 from backend.worker.staged_upload import list_tensor
 
 if TYPE_CHECKING:
@@ -61,6 +62,38 @@ class SamplingRow:
         return count < self.params.min_tokens
 
 
+@dataclass(slots=True)
+class RowClasses:
+    """Which rows of a batch each transform touches (``classify``). It depends on the rows'
+    parameters and penalty slots alone, so a caller may pass it again with the same rows in
+    later steps; ``uploads`` then keeps the per-row parameters uploaded the first time."""
+
+    min_tokens: list[int]  # rows with a min_tokens (whether each is still short of it: per step)
+    penalties: list[int]
+    bias: list[int]
+    random: list[int]
+    logprobs: list[int]
+    uploads: dict = field(default_factory=dict)
+
+
+def classify(rows: list[SamplingRow]) -> RowClasses:
+    """The ``RowClasses`` of ``rows``, in one pass."""
+    classes = RowClasses([], [], [], [], [])
+    for i, row in enumerate(rows):
+        params = row.params
+        if params.min_tokens:
+            classes.min_tokens.append(i)
+        if params.has_penalties:
+            classes.penalties.append(i)
+        if params.logit_bias:
+            classes.bias.append(i)
+        if not params.greedy:
+            classes.random.append(i)
+        if params.wants_logprobs:
+            classes.logprobs.append(i)
+    return classes
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
@@ -79,54 +112,48 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  allowed_tokens: Optional[TokenBitmask] = None,
-                 penalty_history: Optional[PenaltyHistory] = None) -> SamplerOutput:
+                 penalty_history: Optional[PenaltyHistory] = None,
+                 classes: Optional[RowClasses] = None) -> SamplerOutput:
         """logits: [num_rows, vocab], any float dtype; all math runs in float32.
 
         ``allowed_tokens`` (structured outputs) masks the other tokens of its rows
         first, in place: like vLLM, logprobs then describe the masked distribution.
+        ``classes``: ``classify(rows)``, if the caller keeps it.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}.")
         if allowed_tokens is not None:
             allowed_tokens.apply_(logits)
         num_rows = len(rows)
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.wants_logprobs]
+        classes = classes or classify(rows)
+        logprob_rows = classes.logprobs
         raw_logprobs = None
         if logprob_rows:
             index = torch.tensor(logprob_rows, device=logits.device)
             raw_logprobs = logits[index].float().log_softmax(dim=-1)  # [num_logprob_rows, vocab]
-        token_ids = self.sample_on_device(logits, rows, penalty_history)
+        token_ids = self.sample_on_device(logits, rows, penalty_history, classes)
 
         logprobs: list[Optional[PositionLogprobs]] = [None] * num_rows
         if raw_logprobs is not None:
             chosen = token_ids[torch.tensor(logprob_rows, device=logits.device)]
-            positions = _position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs or 0 for i in logprob_rows],
+            positions = position_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs or 0 for i in logprob_rows],
                                            [rows[i].params.logprob_token_ids for i in logprob_rows])
             for i, position in zip(logprob_rows, positions):
                 logprobs[i] = position
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow],
-                         penalty_history: Optional[PenaltyHistory] = None) -> torch.Tensor:
+                         penalty_history: Optional[PenaltyHistory] = None,
+                         classes: Optional[RowClasses] = None) -> torch.Tensor:
         """The rows' tokens [num_rows] int64, left on the logits' device (no logprobs, no
-        grammar mask: ``__call__`` adds those). logits: [num_rows, vocab], not modified."""
+        grammar mask: ``__call__`` adds those). logits: [num_rows, vocab], not modified.
+        ``classes``: ``classify(rows)``, if the caller keeps it."""
         num_rows = len(rows)
         device = logits.device
         upload = self.upload or _direct_upload(device)
-        min_tokens_rows: list[int] = []
-        penalty_rows: list[int] = []
-        bias_rows: list[int] = []
-        random_rows: list[int] = []
-        for i, row in enumerate(rows):  # one pass: this runs for every row of every step
-            params = row.params
-            if params.min_tokens and row.below_min_tokens:
-                min_tokens_rows.append(i)
-            if params.has_penalties:
-                penalty_rows.append(i)
-            if params.logit_bias:
-                bias_rows.append(i)
-            if not params.greedy:
-                random_rows.append(i)
+        classes = classes or classify(rows)
+        min_tokens_rows = [i for i in classes.min_tokens if rows[i].below_min_tokens]
+        penalty_rows, bias_rows, random_rows = classes.penalties, classes.bias, classes.random
         if not (min_tokens_rows or penalty_rows or bias_rows or random_rows):
             # Hot path: the argmax is the same in any dtype, so skip the float32 copy.
             return kernels.argmax_rows(logits)
@@ -139,7 +166,7 @@ class Sampler:
         if bias_rows:
             _add_logit_bias(work, rows, bias_rows, upload)
         if penalty_rows:
-            _apply_penalties(work, rows, penalty_rows, penalty_history, upload)
+            _apply_penalties(work, rows, penalty_rows, penalty_history, upload, classes.uploads)
 
         if len(random_rows) == num_rows:
             return _sample_random(work, rows, upload)  # [num_rows]; filters our own copy in place
@@ -153,27 +180,6 @@ class Sampler:
 def _direct_upload(device: torch.device) -> Callable:
     """An ``upload`` without staging: each array copied to ``device`` on its own."""
     return lambda arrays: [list_tensor(values, dtype, device) for values, dtype in arrays]
-
-
-def compute_prompt_logprobs(
-    logits: torch.Tensor, target_token_ids: list[int], num_top: int
-) -> list[PositionLogprobs]:
-    """Logprobs of prompt tokens under the raw model distribution.
-
-    logits: [num_positions, vocab], row i predicting ``target_token_ids[i]``.
-    Returns one dict per position: the target token first, then the top ``num_top`` (-1: every token).
-    """
-    if logits.dim() != 2 or logits.shape[0] != len(target_token_ids):
-        raise ValueError(
-            f"logits must be [num_positions={len(target_token_ids)}, vocab], got shape {tuple(logits.shape)}."
-        )
-    if num_top < -1:
-        raise ValueError(f"num_top must be -1 (every token) or non-negative, got {num_top}.")
-    if not target_token_ids:
-        return []
-    logprobs = logits.float().log_softmax(dim=-1)  # [num_positions, vocab]
-    targets = torch.tensor(target_token_ids, device=logits.device)
-    return _position_logprobs(logprobs, targets, [num_top] * len(target_token_ids))
 
 
 def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
@@ -215,25 +221,33 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_indices: 
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
-                     history: Optional[PenaltyHistory] = None, upload: Optional[Callable] = None) -> None:
+                     history: Optional[PenaltyHistory] = None, upload: Optional[Callable] = None,
+                     kept: Optional[dict] = None) -> None:
     """Repetition (prompt + output), frequency and presence (output) penalties, in place.
 
     With ``history`` (and every row's ``penalty_slot``) the counts come from it: O(rows x vocab)
     tensor work, one fused pass per row (``kernels.apply_penalties``) unless a row counts drafts;
-    otherwise from the token lists, O(tokens) Python work (the reference)."""
+    otherwise from the token lists, O(tokens) Python work (the reference). ``kept``
+    (``RowClasses.uploads`` of these rows): the fused pass's row parameters, uploaded once."""
     device = logits.device
-    if history is not None and all(rows[i].penalty_slot is not None for i in row_indices):
+    args = kept.get("penalties") if kept is not None else None
+    if args is None and history is not None and all(rows[i].penalty_slot is not None for i in row_indices):
         penalized = [rows[i] for i in row_indices]
         if not any(row.extra_history for row in penalized):  # no draft rows: one pass per row
             f32 = torch.float32
-            index, slots, repetition, frequency, presence = (upload or _direct_upload(device))([
+            args = (upload or _direct_upload(device))([
                 (row_indices, torch.int64), ([row.penalty_slot for row in penalized], torch.int64),
                 ([row.params.repetition_penalty for row in penalized], f32),
                 ([row.params.frequency_penalty for row in penalized], f32),
                 ([row.params.presence_penalty for row in penalized], f32)])
-            kernels.apply_penalties(logits, index, history.prompt_seen, history.output_counts, slots,
-                                    repetition, frequency, presence)
-            return
+            if kept is not None:
+                kept["penalties"] = args
+    if args is not None:
+        index, slots, repetition, frequency, presence = args
+        kernels.apply_penalties(logits, index, history.prompt_seen, history.output_counts, slots,
+                                repetition, frequency, presence)
+        return
+    if history is not None and all(rows[i].penalty_slot is not None for i in row_indices):  # drafts counted
         index = torch.tensor(row_indices, device=device)
         sub = logits[index]  # [num_penalty_rows, vocab]
         need_seen = any(rows[i].params.repetition_penalty != 1.0 for i in row_indices)
@@ -386,45 +400,3 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         noise[i].uniform_(generator=rows[i].generator)
     # A zero (uniform = 1 on some devices) would turn a filtered-out token's 0/0 into NaN, which argmax picks.
     return noise.log_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-def _position_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int],
-    token_ids: Optional[list[Optional[list[int]]]] = None,
-) -> list[PositionLogprobs]:
-    """logprobs [n, vocab], chosen [n] → per row {chosen: Logprob, then top-k by rank}; a k of -1
-    (vLLM's "the whole vocabulary") lists every token.
-
-    The chosen token's rank is 1 + the number of tokens strictly more likely; the
-    top-k get ranks 1..k. A chosen token that is also in the top-k appears once.
-    Where ``token_ids[i]`` is given, row i lists those tokens (in that order,
-    each with its rank) instead of a top-k.
-    """
-    vocab_size = logprobs.shape[1]
-    num_tops = [vocab_size if k < 0 else min(k, vocab_size) for k in num_tops]
-    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))  # [n, 1]
-    chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [n]
-    max_top = max(num_tops)
-    if max_top > 0:
-        top = logprobs.topk(max_top, dim=-1)  # [n, max_top] each
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-
-    result: list[PositionLogprobs] = []
-    for i, (token_id, logprob, rank) in enumerate(
-        zip(chosen.tolist(), chosen_logprobs.squeeze(1).tolist(), chosen_ranks.tolist())
-    ):
-        position: PositionLogprobs = {token_id: Logprob(logprob, rank)}
-        wanted = token_ids[i] if token_ids is not None else None
-        if wanted is not None:
-            ids = torch.tensor(wanted, device=logprobs.device)
-            values = logprobs[i].index_select(0, ids)  # [m]
-            ranks = (logprobs[i].unsqueeze(0) > values.unsqueeze(1)).sum(dim=-1) + 1  # [m]
-            for wanted_id, value, wanted_rank in zip(wanted, values.tolist(), ranks.tolist()):
-                position.setdefault(wanted_id, Logprob(value, wanted_rank))
-        else:
-            for top_rank in range(num_tops[i]):
-                top_id = top_ids[i][top_rank]
-                if top_id not in position:
-                    position[top_id] = Logprob(top_values[i][top_rank], top_rank + 1)
-        result.append(position)
-    return result
