@@ -73,7 +73,7 @@ def test_bf16_dot_method_fuses_silu_into_gate_up_bit_for_bit(half, bias):
     from test_linear_methods import gate_up_layer
 
     layer, weight, b = gate_up_layer(Bf16DotLinearMethod(), half, bias, torch.bfloat16)
-    assert bool(layer.bf16_gated_half) == (half % 32 == 0 and not bias)
+    assert bool(layer.packed_gated_half) == (half % 32 == 0 and not bias)
     x = torch.randn(33, 40).bfloat16()
     plain = layer(x)  # gate | up in the checkpoint's column order, whatever the packing
     exact_close(plain, torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double()))

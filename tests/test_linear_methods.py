@@ -80,7 +80,7 @@ def test_forward_gated_is_silu_and_mul_of_forward():
 @pytest.mark.parametrize("half, bias", [(64, False), (48, False), (64, True)])  # fused; 48 and bias: not
 def test_amx_method_fuses_silu_into_gate_up_bit_for_bit(half, bias):
     layer, weight, b = gate_up_layer(AmxLinearMethod(), half, bias, torch.bfloat16)
-    assert bool(layer.amx_gated_half) == (half % 32 == 0 and not bias)
+    assert bool(layer.packed_gated_half) == (half % 32 == 0 and not bias)
     x = torch.randn(33, 40).bfloat16()
     plain = layer(x)  # gate | up in the checkpoint's column order, whatever the packing
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())

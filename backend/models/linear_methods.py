@@ -96,61 +96,53 @@ class OneDnnLinearMethod(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
 
-class AmxLinearMethod(LinearMethod):
-    """A gate | up pair (halves of a multiple of 32 features, no bias) is packed with its 32-row
-    panels alternating (``tandem_kernels.cpu.amx_gated_order``), so that ``apply_gated`` computes
-    SiLU(gate) * up in the matmul's epilogue (``tandem_kernels.cpu.amx_gated_linear``): the gate | up
-    product is never written out and read back by a separate SiLU pass."""
+class _PanelPackedLinearMethod(LinearMethod):
+    """Tandem's bf16 kernels on a weight packed once (``_pack``); the layer keeps only the packed
+    weight (``packed_weight``). A gate | up pair (halves of a multiple of 32 features, no bias) is
+    packed with its 32-row panels alternating (``tandem_kernels.cpu.amx_gated_order``), so that
+    ``apply_gated`` computes SiLU(gate) * up in the matmul's epilogue (``_gated_linear``): the
+    gate | up product is never written out and read back by a separate SiLU pass."""
+
+    _pack = _linear = _gated_linear = None  # the kernels, set by each subclass
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight.detach()
         half = getattr(layer, "gated_half", None)
-        layer.amx_gated_half = half if half and half % 32 == 0 and layer.bias is None else None
-        if layer.amx_gated_half:
-            weight = weight[tandem_kernels.cpu.amx_gated_order(layer.amx_gated_half)]
-        layer.amx_weight = tandem_kernels.cpu.amx_pack_weight(weight)
-        layer.amx_out_features = layer.weight.shape[0]
-        release_weight(layer)
-
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        out = tandem_kernels.cpu.amx_linear(x, layer.amx_weight, layer.amx_out_features, bias)
-        if layer.amx_gated_half:  # columns in panel order: back to gate | up
-            out = out.view(-1, layer.amx_gated_half // 32, 2, 32).transpose(1, 2).reshape(out.shape)
-        return out
-
-    def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if not layer.amx_gated_half:
-            return super().apply_gated(layer, x, bias)
-        return tandem_kernels.cpu.amx_gated_linear(x, layer.amx_weight, layer.amx_gated_half)
-
-
-class Bf16DotLinearMethod(LinearMethod):
-    """The layer keeps only the packed weight (``bf16_packed``): ``tandem_kernels.cpu.bf16_dot_linear``.
-    A gate | up pair (halves of a multiple of 32 features, no bias) is packed in
-    ``amx_gated_order``, so that ``apply_gated`` computes SiLU(gate) * up in the matmul's epilogue
-    (``tandem_kernels.cpu.bf16_dot_gated_linear``), as ``AmxLinearMethod`` does."""
-
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        weight = layer.weight.detach()
-        half = getattr(layer, "gated_half", None)
-        layer.bf16_gated_half = half if half and half % 32 == 0 and layer.bias is None else None
-        if layer.bf16_gated_half:
-            weight = weight[tandem_kernels.cpu.amx_gated_order(layer.bf16_gated_half)]
-        layer.bf16_packed = tandem_kernels.cpu.bf16_pack_weight(weight)
-        layer.bf16_out_features = layer.weight.shape[0]
+        layer.packed_gated_half = half if half and half % 32 == 0 and layer.bias is None else None
+        if layer.packed_gated_half:
+            weight = weight[tandem_kernels.cpu.amx_gated_order(layer.packed_gated_half)]
+        layer.packed_weight = type(self)._pack(weight)
+        layer.packed_out_features = layer.weight.shape[0]
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = tandem_kernels.cpu.bf16_dot_linear(rows, layer.bf16_packed, layer.bf16_out_features, bias)
-        if layer.bf16_gated_half:  # columns in panel order: back to gate | up
-            out = out.view(-1, layer.bf16_gated_half // 32, 2, 32).transpose(1, 2).reshape(out.shape)
-        return out.view(*x.shape[:-1], layer.bf16_out_features)
+        out = type(self)._linear(rows, layer.packed_weight, layer.packed_out_features, bias)
+        if layer.packed_gated_half:  # columns in panel order: back to gate | up
+            out = out.view(-1, layer.packed_gated_half // 32, 2, 32).transpose(1, 2).reshape(out.shape)
+        return out.view(*x.shape[:-1], layer.packed_out_features)
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if not layer.bf16_gated_half:
+        if not layer.packed_gated_half:
             return super().apply_gated(layer, x, bias)
-        return tandem_kernels.cpu.bf16_dot_gated_linear(x, layer.bf16_packed, layer.bf16_gated_half)
+        return type(self)._gated_linear(x, layer.packed_weight, layer.packed_gated_half)
+
+
+class AmxLinearMethod(_PanelPackedLinearMethod):
+    """bf16 on AMX tiles (``tandem_kernels.cpu.amx_linear`` / ``amx_gated_linear``)."""
+
+    _pack = staticmethod(lambda weight: tandem_kernels.cpu.amx_pack_weight(weight))
+    _linear = staticmethod(lambda *args: tandem_kernels.cpu.amx_linear(*args))
+    _gated_linear = staticmethod(lambda *args: tandem_kernels.cpu.amx_gated_linear(*args))
+
+
+class Bf16DotLinearMethod(_PanelPackedLinearMethod):
+    """bf16 on AVX-512 BF16 dot products, for CPUs without AMX (``tandem_kernels.cpu.bf16_dot_linear``
+    / ``bf16_dot_gated_linear``; the weight in 64-column blocks, ``bf16_pack_weight``)."""
+
+    _pack = staticmethod(lambda weight: tandem_kernels.cpu.bf16_pack_weight(weight))
+    _linear = staticmethod(lambda *args: tandem_kernels.cpu.bf16_dot_linear(*args))
+    _gated_linear = staticmethod(lambda *args: tandem_kernels.cpu.bf16_dot_gated_linear(*args))
 
 
 class Int8LinearMethod(LinearMethod):
