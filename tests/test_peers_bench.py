@@ -57,3 +57,29 @@ def test_summary_compares_against_the_faster_build_per_level():
     assert one["tok_ratio"] == [12 / 10, 6 / 12] and many["tok_ratio"] == [120 / 60, 140 / 70]
     assert many["ttft_ratio"] == [0.5, 0.5]
     assert peers.spread([1.0, 3.0, 2.0], 2) == "2.00 (1.00-3.00)"
+
+
+def _pairing_args(model: str, pairing: str, int4_file: str = "Q4_1") -> argparse.Namespace:
+    return argparse.Namespace(model=model, pairing=pairing, int4_file=int4_file)
+
+
+def test_int4_pairing_serves_the_same_q4_file_on_both_sides(tmp_path):
+    from backend.models.default_model import GGUF_MEMBER
+
+    own = tmp_path / "default-model" / Path(GGUF_MEMBER).name
+    one_b = tmp_path / "bench-1b"
+    (one_b / "hf").mkdir(parents=True)
+    own.parent.mkdir()
+    for path in (own, one_b / "hf" / "model.safetensors.index.json", one_b / "bench-1b.Q4_0.gguf",
+                 one_b / "bench-1b.BF16.gguf"):
+        path.write_bytes(b"")  # present, so nothing is written or downloaded
+
+    args, gguf, tokenizer = peers.resolve_pairing(_pairing_args("default", "int4"), tmp_path)
+    assert gguf == own and args[0] == str(own) and tokenizer is None
+    assert args[1:] == ["--quantization", "gguf", "--dtype", "bfloat16"]
+
+    args, gguf, tokenizer = peers.resolve_pairing(_pairing_args("bench-1b", "int4", "Q4_0"), tmp_path)
+    assert gguf == one_b / "bench-1b.Q4_0.gguf" and args[0] == str(gguf) and tokenizer == one_b / "hf"
+
+    args, gguf, tokenizer = peers.resolve_pairing(_pairing_args("bench-1b", "bf16"), tmp_path)
+    assert args[0] == str(one_b / "hf") and gguf == one_b / "bench-1b.BF16.gguf"
