@@ -1,5 +1,5 @@
-"""The two 4-bit CPU kernels on one layer: int4_linear (fp16 d, m per 32-wide group) against
-gguf_int4f_linear (the same nibbles, fp32 d, m) and F.linear on the bf16 weights, bf16 x.
+"""The 4-bit CPU kernel on one layer, with fp16 (d, m) per 32-wide group (int4: Q4_0, Q4_1) and with
+float32 ones (int4f: Q4_K, AWQ, GPTQ), against F.linear on the bf16 weights, bf16 x.
 
     python bench/int4_kernels.py [--n 4096] [--k 2048] [--rows 1,4,32] [--repeats 20]
 
@@ -46,7 +46,7 @@ def main() -> None:
         x = torch.randn(m, args.k).bfloat16()  # [M, K]
         row = {"F.linear bf16": best_ms(lambda: F.linear(x, weight_bf16), args.repeats),
                "int4 (fp16 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales16, None), args.repeats),
-               "int4f (fp32 d,m)": best_ms(lambda: cpu.gguf_int4f_linear(x, qweight, scales32, None), args.repeats)}
+               "int4f (fp32 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales32, None), args.repeats)}
         print(f"M={m}: " + "  ".join(f"{name} {ms:.2f}" for name, ms in row.items()))
 
 

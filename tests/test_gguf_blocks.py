@@ -67,7 +67,8 @@ def test_grouped_kernels_match_their_references(layout, dtype, rows):
     codes, scales = decode(random_blocks("Q4_K", *shape, seed=3), "Q4_K", shape)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
     bias = torch.randn(shape[0])
-    kernel = getattr(tandem_kernels.cpu, f"gguf_{layout}_linear")
+    # int4f (4-bit codes, float32 scales) runs int4_linear's tiles, int8g its own kernel
+    kernel = tandem_kernels.cpu.gguf_int8g_linear if layout == "int8g" else tandem_kernels.cpu.int4_linear
     got = kernel(x, codes, scales, bias)
     want = getattr(gguf_reference, f"{layout}_linear")(x, codes, scales, bias)
     assert got.dtype == dtype and got.shape == (rows, shape[0])

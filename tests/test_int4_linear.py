@@ -1,5 +1,6 @@
 """The int4 linear: its layout against GGUF's own dequantization (bit for bit), the C++ kernel
-against its plain-torch twin, and int4 quantization at load."""
+against its plain-torch twins (fp16 scales: reference.int4_linear; float32 scales, the int4f form
+of Q4_K / AWQ / GPTQ: gguf_reference.int4f_linear), and int4 quantization at load."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 import tandem_kernels.cpu as cpu
 from backend.models.int4_weights import int4_from_gguf, quantize_int4
-from tandem_kernels import reference
+from tandem_kernels import gguf_reference, reference
 
 gguf = pytest.importorskip("gguf")
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason="the fused CPU kernels are not built here")
@@ -53,19 +54,35 @@ def random_int4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, tor
     return qweight, torch.stack([d, m], dim=2).half()
 
 
+def random_int4f(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4f's float32 (d, m) as Q4_K makes them: d = fp16 super-scale x 6-bit sub-scale (not an
+    fp16 value in general), m = -(fp16 dmin x 6-bit sub-min)."""
+    qweight = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    super_d = (torch.rand(n, 1, generator=gen) * 1e-3).half().float()
+    super_min = (torch.rand(n, 1, generator=gen) * 1e-3).half().float()
+    d = super_d * torch.randint(0, 64, (n, k // 32), generator=gen)
+    m = -super_min * torch.randint(0, 64, (n, k // 32), generator=gen)
+    return qweight, torch.stack([d, m], dim=2)
+
+
+SCALE_FORMS = {"int4": (random_int4, reference.int4_linear), "int4f": (random_int4f, gguf_reference.int4f_linear)}
+
+
 # odd M and N; K multiples of 32; 1-4 rows in registers, more through the panel (with tails)
 @needs_kernels
 # (2 and 17 rows, K = 288: the AVX2 build's 2 x 2 tiles and their odd tails)
 @pytest.mark.parametrize("m, k, n", [(1, 32, 5), (2, 288, 7), (3, 64, 12), (4, 96, 17), (5, 128, 9), (17, 288, 7),
                                      (33, 64, 37), (130, 256, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_linear_equals_its_reference(m, k, n, dtype):
+@pytest.mark.parametrize("form", SCALE_FORMS)
+def test_int4_linear_equals_its_reference(m, k, n, dtype, form):
+    make, reference_linear = SCALE_FORMS[form]
     gen = torch.Generator().manual_seed(m * 1000 + n)
-    qweight, scales = random_int4(n, k, gen)
+    qweight, scales = make(n, k, gen)
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen)
     for b in (bias, bias.to(dtype), None):
-        got, want = cpu.int4_linear(x, qweight, scales, b), reference.int4_linear(x, qweight, scales, b)
+        got, want = cpu.int4_linear(x, qweight, scales, b), reference_linear(x, qweight, scales, b)
         assert got.dtype == dtype and got.shape == (m, n)
         if dtype == torch.float32:  # fp32 sums in another order than F.linear's
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -78,19 +95,14 @@ def test_int4_linear_equals_its_reference(m, k, n, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17])
-def test_int4_linear_below_avx512_gives_int4f_bits(m):
-    # Without AVX-512 both kernels sum the same products in the same order (fp16 -> fp32 scales is
-    # exact), so int4 (fp16 d, m) and gguf_int4f (fp32 d, m) agree bit for bit.
-    if cpu.loaded_library()[1].name not in ("avx2", "native"):  # native: CPUs that are not x86-64
-        pytest.skip("AVX-512 builds fuse float x's products in int4_linear only")
+def test_float32_scales_holding_fp16_values_give_the_fp16_bits(m):
+    # fp16 -> float32 is exact, and both forms run the same tiles: the same bits on every build.
     gen = torch.Generator().manual_seed(40 + m)
     qweight, scales = random_int4(11, 288, gen)
     bias = torch.randn(11, generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(m, 288, generator=gen).to(dtype)
-        got = cpu.int4_linear(x, qweight, scales, bias)
-        want = cpu.gguf_int4f_linear(x, qweight, scales.float(), bias)
-        assert torch.equal(got, want)
+        assert torch.equal(cpu.int4_linear(x, qweight, scales, bias), cpu.int4_linear(x, qweight, scales.float(), bias))
 
 
 @needs_kernels
@@ -106,6 +118,8 @@ def test_int4_linear_takes_strided_rows_and_refuses_bad_shapes():
         cpu.int4_linear(torch.randn(2, 32), qweight, scales, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu.int4_linear(x.half(), qweight, scales, None)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16 or float32"):
+        cpu.int4_linear(x, qweight, scales.bfloat16(), None)
     assert cpu.int4_linear(torch.randn(0, 64), qweight, scales, None).shape == (0, 7)
 
 

@@ -261,9 +261,12 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] float32/bf16 @ reference.int4_dequantize(qweight [N, K / 2] uint8, scales
-    [N, K / 32, 2] fp16)^T + bias -> [M, N] in x's dtype; K a multiple of 32."""
+    """x [M, K] float32/bf16 @ W^T + bias -> [M, N] in x's dtype; K a multiple of 32. W is
+    reference.int4_dequantize(qweight [N, K / 2] uint8, scales [N, K / 32, 2] fp16), or with float32
+    scales (int4f) gguf_reference.int4f_dequantize's."""
     return torch.ops.tandem_cpu.int4_linear(x, qweight, scales, bias)
+
+
 def int8_bf16_available() -> bool:
     """Whether ``int8_linear_packed`` runs here: the kernels are loaded and built for AVX-512 BF16."""
     return available() and torch.ops.tandem_cpu.int8_bf16_available()
@@ -368,10 +371,3 @@ def gguf_int8g_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     """gguf_reference.int8g_linear: x [M, K] float32/bf16 @ int8g_dequantize(codes [N, K] int8,
     scales [N, K / 16, 2] float32)^T + bias -> [M, N] in x's dtype (csrc/gguf_linear.cpp)."""
     return torch.ops.tandem_cpu.gguf_int8g_linear(x, codes, scales, bias)
-
-
-def gguf_int4f_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """gguf_reference.int4f_linear: x [M, K] float32/bf16 @ int4f_dequantize(qweight [N, K / 2] uint8,
-    scales [N, K / 32, 2] float32)^T + bias -> [M, N] in x's dtype (csrc/gguf_linear.cpp)."""
-    return torch.ops.tandem_cpu.gguf_int4f_linear(x, qweight, scales, bias)

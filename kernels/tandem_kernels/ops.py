@@ -89,7 +89,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.is_cuda:
         return _triton("int4_matmul").int4_linear(x, qweight, scales, bias)
     if _cpu_fast(x):
-        return (cpu.gguf_int4f_linear if int4f else cpu.int4_linear)(x, qweight, scales, bias)
+        return cpu.int4_linear(x, qweight, scales, bias)
     return (gguf_reference.int4f_linear if int4f else reference.int4_linear)(x, qweight, scales, bias)
 
 

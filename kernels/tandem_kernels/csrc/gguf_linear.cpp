@@ -1,13 +1,9 @@
-// GGUF weights kept packed (tandem_kernels.gguf_reference), float32 or bf16 activations, in two layouts:
-//
-// gguf_int8g_linear, the grouped int8 layout (any of Q4_0..Q8_0, Q4_K, Q5_K, Q6_K):
+// GGUF weights kept packed (tandem_kernels.gguf_reference), float32 or bf16 activations, in the
+// grouped int8 layout (any mix of Q4_0..Q8_0, Q4_K, Q5_K, Q6_K):
 //     codes  [N, K] int8             one integer code per weight
 //     scales [N, K / 16, 2] float32  (s, m) per row and 16-wide group
-// gguf_int4f_linear, 4-bit codes with fp32 scales (Q4_K, Q4_0, Q4_1: 6 bits a weight):
-//     qweight [N, K / 2] uint8       int4_linear.cpp's nibble order: byte i of group g holds element
-//                                    32 g + i in its low nibble and 32 g + 16 + i in its high one
-//     scales  [N, K / 32, 2] float32 (s, m) per row and 32-wide group
-// In both, w[n, k] = s * q + m in fp32 (s * q is exact for every GGUF code, so one rounding).
+// w[n, k] = s * q + m in fp32 (s * q is exact for every GGUF code, so one rounding). (The int4f
+// layout, 4-bit codes with fp32 scales, is int4_linear.cpp's with float scales.)
 //
 // Up to kRegisterRows rows of x (decode), each thread dequantizes 16 weights at a time and adds
 // their products to every row's sums. More rows: each thread takes panels of kPanelRows weight
@@ -83,31 +79,6 @@ struct Int8gRows {
   }
 };
 
-// One weight row of the int4f layout -> K floats.
-struct Int4fRows {
-  const uint8_t* qweight;
-  const float* scales;
-  int64_t k_size;
-  void dequantize(int64_t n, float* __restrict out) const {
-    const uint8_t* q = qweight + n * (k_size / 2);
-    const float* s = scales + n * (k_size / 32) * 2;
-    for (int64_t g = 0; g < k_size / 32; ++g) {
-      const float scale = s[2 * g], min = s[2 * g + 1];
-      for (int j = 0; j < 16; ++j) {
-        const uint8_t byte = q[g * 16 + j];
-        out[g * 32 + j] = static_cast<float>(byte & 15) * scale + min;
-        out[g * 32 + 16 + j] = static_cast<float>(byte >> 4) * scale + min;
-      }
-    }
-  }
-  void dequantize16(int64_t n, int64_t k, float* __restrict out) const {
-    const uint8_t* q = qweight + n * (k_size / 2) + (k / 32) * 16;
-    const float* s = scales + (n * (k_size / 32) + k / 32) * 2;
-    const int shift = (k % 32) ? 4 : 0;
-    for (int j = 0; j < 16; ++j) out[j] = static_cast<float>((q[j] >> shift) & 15) * s[0] + s[1];
-  }
-};
-
 void check_x(const Tensor& x, const char* op, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x must be [M, K] float32 or bfloat16");
@@ -173,28 +144,13 @@ Tensor gguf_int8g_linear(const Tensor& x, const Tensor& codes, const Tensor& sca
                         "gguf_int8g_linear");
 }
 
-Tensor gguf_int4f_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
-  check_x(x, "gguf_int4f_linear", 32);
-  const int64_t k_size = x.size(1), n_size = qweight.size(0);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-                  qweight.size(1) == k_size / 2,
-              "gguf_int4f_linear: qweight must be contiguous [N, K / 2] uint8");
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == n_size && scales.size(1) == k_size / 32 && scales.size(2) == 2,
-              "gguf_int4f_linear: scales must be contiguous [N, K / 32, 2] float32");
-  return grouped_linear(x, Int4fRows{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), k_size}, n_size, bias,
-                        "gguf_int4f_linear");
-}
-
 }  // namespace
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("gguf_int8g_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("gguf_int4f_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("gguf_int8g_linear", &tandem::gguf_int8g_linear);
-  m.impl("gguf_int4f_linear", &tandem::gguf_int4f_linear);
 }

@@ -4,7 +4,8 @@
 //     qweight [N, K / 2] uint8   group g of row n is bytes [16 g, 16 g + 16): byte i holds element
 //                                32 g + i in its low nibble and 32 g + 16 + i in its high one
 //                                (GGUF's own order inside a block)
-//     scales  [N, K / 32, 2] fp16 (d, m) per row and group
+//     scales  [N, K / 32, 2] (d, m) per row and group: fp16 (int4), or float32 (int4f: Q4_K's d * sc,
+//                                which fp16 cannot hold; gguf_reference.int4f_dequantize)
 //     w[n, 32 g + i] = d * q + m, in fp32: d * q is exact (11 + 4 significant bits), so the value is
 //     the one rounding of d * q + m, fused or not: Q4_1's d * q + m, and Q4_0's d * (q - 8) with m = -8 d.
 //
@@ -54,10 +55,11 @@ inline vbh load_bf16_pairs(const void* p) { return reinterpret_cast<vbh>(_mm512_
 constexpr bool kBf16Dot = false;
 #endif
 
-// The weights, packed: row n's group g dequantized in registers.
+// The weights, packed: row n's group g dequantized in registers. S: uint16_t (fp16 bits) or float.
+template <typename S>
 struct PackedWeights {
-  const uint8_t* q;    // [N, K / 2]
-  const uint16_t* dm;  // [N, G, 2] fp16 bits
+  const uint8_t* q;  // [N, K / 2]
+  const S* dm;       // [N, G, 2]
   int64_t groups;
   static constexpr bool kRoundInTile = true;  // bf16 x: the tile rounds the weights
   void group(int64_t n, int64_t g, v16& lo, v16& hi) const {
@@ -192,9 +194,9 @@ inline void int4_columns(T* out, int64_t n_size, const T* x, int64_t x_stride, c
   for (; n < n1; ++n) int4_rows<1>(out, n_size, x, x_stride, w, groups, bias, m0, mt, n);
 }
 
-template <typename T>
+template <typename T, typename S>
 void int4_linear_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size,
-                      const PackedWeights& w, int64_t n_size, const float* bias) {
+                      const PackedWeights<S>& w, int64_t n_size, const float* bias) {
   const int64_t groups = k_size / kGroup;
   if (m_size <= kRegisterRows) {  // decode: every weight group dequantized once, in registers
     const int64_t row_bytes = groups * kGroupBytes;
@@ -252,10 +254,21 @@ void int4_linear_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int6
   });
 }
 
+template <typename S>
+void int4_linear_dispatch(Tensor& out, const Tensor& x, const PackedWeights<S>& w, int64_t n_size, const float* bias) {
+  const int64_t m_size = x.size(0), k_size = x.size(1);
+  if (x.scalar_type() == at::kFloat)
+    int4_linear_impl(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), m_size, k_size, w, n_size, bias);
+  else
+    int4_linear_impl(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.stride(0), m_size, k_size, w,
+                     n_size, bias);
+}
+
 }  // namespace
 
 // out [M, N] (x's dtype) = x [M, K] (float32 or bf16, rows contiguous) @ dequant(qweight, scales)^T
-// + bias [N] (any float dtype, or none); qweight [N, K / 2] uint8 and scales [N, K / 32, 2] fp16 as above.
+// + bias [N] (any float dtype, or none); qweight [N, K / 2] uint8 and scales [N, K / 32, 2] fp16 or
+// float32 as above.
 Tensor int4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
@@ -265,9 +278,9 @@ Tensor int4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales,
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
               qweight.size(1) * 2 == k_size, "int4_linear: qweight must be contiguous uint8 [N, K / 2]");
   const int64_t n_size = qweight.size(0);
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-              scales.size(0) == n_size && scales.size(1) == k_size / kGroup && scales.size(2) == 2,
-              "int4_linear: scales must be contiguous float16 [N, K / 32, 2]");
+  TORCH_CHECK(scales.dim() == 3 && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+              scales.is_contiguous() && scales.size(0) == n_size && scales.size(1) == k_size / kGroup &&
+              scales.size(2) == 2, "int4_linear: scales must be contiguous float16 or float32 [N, K / 32, 2]");
   Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n_size, "int4_linear: bias must have N elements");
@@ -276,13 +289,13 @@ Tensor int4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales,
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   Tensor out = at::empty({m_size, n_size}, x.options());
   if (m_size == 0 || n_size == 0) return out;
-  const PackedWeights w{qweight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                        k_size / kGroup};
-  if (x.scalar_type() == at::kFloat)
-    int4_linear_impl(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), m_size, k_size, w, n_size, b);
+  const int64_t groups = k_size / kGroup;
+  if (scales.scalar_type() == at::kHalf)
+    int4_linear_dispatch(out, x, PackedWeights<uint16_t>{qweight.data_ptr<uint8_t>(),
+                         reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), groups}, n_size, b);
   else
-    int4_linear_impl(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.stride(0), m_size, k_size, w,
-                     n_size, b);
+    int4_linear_dispatch(out, x, PackedWeights<float>{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups},
+                         n_size, b);
   return out;
 }
 

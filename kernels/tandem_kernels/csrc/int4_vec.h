@@ -78,24 +78,60 @@ inline float half_bits_to_float(uint16_t bits) {
 #endif
 }
 
-// One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32). d * q is exact, so fused
-// or not, each weight is the one rounding of d * q + m.
-inline void dequant_group(const uint8_t* q, const uint16_t* dm, v16& lo, v16& hi) {
+// A group's (d, m), broadcast: from fp16 bits (int4) or from floats (int4f).
 #if defined(__AVX512F__)
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+using vscale = __m512;
+inline void broadcast_dm(const uint16_t* dm, vscale& d, vscale& m) {
   uint32_t pair;
   std::memcpy(&pair, dm, sizeof pair);
   const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
-  const __m512 d = _mm512_broadcastss_ps(dm4), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm4));
+  d = _mm512_broadcastss_ps(dm4);
+  m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm4));
+}
+inline void broadcast_dm(const float* dm, vscale& d, vscale& m) {
+  d = _mm512_set1_ps(dm[0]);
+  m = _mm512_set1_ps(dm[1]);
+}
+#elif defined(TANDEM_INT4_AVX2)
+using vscale = __m256;
+inline void broadcast_dm(const uint16_t* dm, vscale& d, vscale& m) {
+  uint32_t pair;
+  std::memcpy(&pair, dm, sizeof pair);
+  const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
+  d = _mm256_broadcastss_ps(dm4);
+  m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm4));
+}
+inline void broadcast_dm(const float* dm, vscale& d, vscale& m) {
+  d = _mm256_broadcast_ss(dm);
+  m = _mm256_broadcast_ss(dm + 1);
+}
+#else
+using vscale = vf16;
+inline void broadcast_dm(const uint16_t* dm, vscale& d, vscale& m) {
+  d = vf16{} + half_bits_to_float(dm[0]);
+  m = vf16{} + half_bits_to_float(dm[1]);
+}
+inline void broadcast_dm(const float* dm, vscale& d, vscale& m) {
+  d = vf16{} + dm[0];
+  m = vf16{} + dm[1];
+}
+#endif
+
+// One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32); dm its (d, m), fp16 bits
+// or floats. d * q is exact for every d the loaders make (fp16 d: 11 + 4 significant bits; int4f's
+// Q4_K d * sc, 17 + 4; AWQ / GPTQ's fp16 scales), so fused or not, each weight is the one rounding
+// of d * q + m.
+template <typename S>
+inline void dequant_group(const uint8_t* q, const S* dm, v16& lo, v16& hi) {
+  vscale d, m;
+  broadcast_dm(dm, d, m);
+#if defined(__AVX512F__)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d, m);
   hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 #elif defined(TANDEM_INT4_AVX2)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
-  uint32_t pair;
-  std::memcpy(&pair, dm, sizeof pair);
-  const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
-  const __m256 d = _mm256_broadcastss_ps(dm4), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm4));
   const __m256i low = _mm256_set1_epi32(15);
   lo.a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), d, m);
   lo.b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), d, m);
@@ -105,8 +141,6 @@ inline void dequant_group(const uint8_t* q, const uint16_t* dm, v16& lo, v16& hi
   vu8x16 bytes;
   std::memcpy(&bytes, q, sizeof bytes);
   const vi16 wide = __builtin_convertvector(bytes, vi16);
-  const float df = half_bits_to_float(dm[0]), mf = half_bits_to_float(dm[1]);
-  const vf16 d = vf16{} + df, m = vf16{} + mf;
   lo = __builtin_convertvector(wide & 15, vf16) * d + m;
   hi = __builtin_convertvector(wide >> 4, vf16) * d + m;
 #endif
