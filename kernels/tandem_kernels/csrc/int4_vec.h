@@ -78,44 +78,9 @@ inline float half_bits_to_float(uint16_t bits) {
 #endif
 }
 
-// A group's (d, m), broadcast: from fp16 bits (int4) or from floats (int4f).
-#if defined(__AVX512F__)
-using vscale = __m512;
-inline void broadcast_dm(const uint16_t* dm, vscale& d, vscale& m) {
-  uint32_t pair;
-  std::memcpy(&pair, dm, sizeof pair);
-  const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
-  d = _mm512_broadcastss_ps(dm4);
-  m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm4));
-}
-inline void broadcast_dm(const float* dm, vscale& d, vscale& m) {
-  d = _mm512_set1_ps(dm[0]);
-  m = _mm512_set1_ps(dm[1]);
-}
-#elif defined(TANDEM_INT4_AVX2)
-using vscale = __m256;
-inline void broadcast_dm(const uint16_t* dm, vscale& d, vscale& m) {
-  uint32_t pair;
-  std::memcpy(&pair, dm, sizeof pair);
-  const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // d, m, 0, 0
-  d = _mm256_broadcastss_ps(dm4);
-  m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm4));
-}
-inline void broadcast_dm(const float* dm, vscale& d, vscale& m) {
-  d = _mm256_broadcast_ss(dm);
-  m = _mm256_broadcast_ss(dm + 1);
-}
-#else
-using vscale = vf16;
-inline void broadcast_dm(const uint16_t* dm, vscale& d, vscale& m) {
-  d = vf16{} + half_bits_to_float(dm[0]);
-  m = vf16{} + half_bits_to_float(dm[1]);
-}
-inline void broadcast_dm(const float* dm, vscale& d, vscale& m) {
-  d = vf16{} + dm[0];
-  m = vf16{} + dm[1];
-}
-#endif
+// A group's d or m as a float: from fp16 bits (int4) or a float (int4f).
+inline float scale_value(uint16_t bits) { return half_bits_to_float(bits); }
+inline float scale_value(float v) { return v; }
 
 // One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32); dm its (d, m), fp16 bits
 // or floats. d * q is exact for every d the loaders make (fp16 d: 11 + 4 significant bits; int4f's
@@ -123,13 +88,14 @@ inline void broadcast_dm(const float* dm, vscale& d, vscale& m) {
 // of d * q + m.
 template <typename S>
 inline void dequant_group(const uint8_t* q, const S* dm, v16& lo, v16& hi) {
-  vscale d, m;
-  broadcast_dm(dm, d, m);
+  const float df = scale_value(dm[0]), mf = scale_value(dm[1]);
 #if defined(__AVX512F__)
+  const __m512 d = _mm512_set1_ps(df), m = _mm512_set1_ps(mf);
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d, m);
   hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 #elif defined(TANDEM_INT4_AVX2)
+  const __m256 d = _mm256_set1_ps(df), m = _mm256_set1_ps(mf);
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
   const __m256i low = _mm256_set1_epi32(15);
@@ -141,6 +107,7 @@ inline void dequant_group(const uint8_t* q, const S* dm, v16& lo, v16& hi) {
   vu8x16 bytes;
   std::memcpy(&bytes, q, sizeof bytes);
   const vi16 wide = __builtin_convertvector(bytes, vi16);
+  const vf16 d = vf16{} + df, m = vf16{} + mf;
   lo = __builtin_convertvector(wide & 15, vf16) * d + m;
   hi = __builtin_convertvector(wide >> 4, vf16) * d + m;
 #endif
