@@ -1,7 +1,7 @@
 """The 4-bit CPU kernel on one layer, with fp16 (d, m) per 32-wide group (int4: Q4_0, Q4_1) and with
-float32 ones (int4f: Q4_K, AWQ, GPTQ), against F.linear on the bf16 weights, bf16 x.
+float32 ones (int4f: Q4_K, AWQ, GPTQ), against F.linear on the weights in x's dtype (bf16 or float32).
 
-    python bench/int4_kernels.py [--n 4096] [--k 2048] [--rows 1,4,32] [--repeats 20]
+    python bench/int4_kernels.py [--n 4096] [--k 2048] [--rows 1,4,32] [--repeats 20] [--dtype bfloat16]
 
 Prints the best time of ``--repeats`` calls after 3 warm-up calls, per kernel and row count."""
 
@@ -34,17 +34,19 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--rows", default="1,4,32")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="x's dtype")
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit(f"the fused CPU kernels are not available: {cpu.unavailable_reason()}")
     torch.manual_seed(0)
     weight = torch.randn(args.n, args.k) * 0.02  # [N, K]
     qweight, scales16 = quantize_int4(weight)  # [N, K / 2] uint8, [N, K / 32, 2] fp16
-    scales32, weight_bf16 = scales16.float(), weight.bfloat16()
-    print(f"{cpu.loaded_library()[1].name} build, N={args.n} K={args.k}, bf16 x, best of {args.repeats} (ms)")
+    dtype = getattr(torch, args.dtype)
+    scales32, weight_x = scales16.float(), weight.to(dtype)
+    print(f"{cpu.loaded_library()[1].name} build, N={args.n} K={args.k}, {args.dtype} x, best of {args.repeats} (ms)")
     for m in (int(r) for r in args.rows.split(",")):
-        x = torch.randn(m, args.k).bfloat16()  # [M, K]
-        row = {"F.linear bf16": best_ms(lambda: F.linear(x, weight_bf16), args.repeats),
+        x = torch.randn(m, args.k).to(dtype)  # [M, K]
+        row = {f"F.linear {args.dtype}": best_ms(lambda: F.linear(x, weight_x), args.repeats),
                "int4 (fp16 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales16, None), args.repeats),
                "int4f (fp32 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales32, None), args.repeats)}
         print(f"M={m}: " + "  ".join(f"{name} {ms:.2f}" for name, ms in row.items()))

@@ -17,10 +17,9 @@
 // of kPanelRows weight rows once into a float buffer (in cache) and run the same products over all
 // of them, so a prompt does not pay the dequantization M times, and its rows get decode's bits.
 //
-// With AVX-512 the products are fused multiply-adds; elsewhere (AVX2 in intrinsics, int4_vec.h;
-// other targets in GCC's 16-lane vectors) float x's products are multiplied and added apart, and
-// bf16 x's, exact, fused or not alike: AVX2 and generic builds give the same bits, AVX-512 builds
-// agree with them (and the reference) to rounding, not bit for bit.
+// With AVX-512 and AVX2 (int4_vec.h) the products are fused multiply-adds; other targets (GCC's
+// 16-lane vectors) multiply and add float x's apart. bf16 x's products are exact, fused or not, so
+// the builds agree with each other (and the reference) to rounding, not bit for bit.
 
 #include "ops.h"
 #include "int4_vec.h"

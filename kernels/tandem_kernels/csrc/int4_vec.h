@@ -3,8 +3,7 @@
 // for three targets:
 //     AVX-512   one __m512 (products fused: fma16)
 //     AVX2      two __m256 halves, lanes 0..7 and 8..15, in intrinsics (GCC keeps them in
-//               registers, where its 16-lane generic vectors went through memory); fma16 multiplies
-//               and adds apart, as the generic vectors did, so the results are those of the generic build
+//               registers, where its 16-lane generic vectors went through memory); products fused
 //     other     GCC's 16-lane generic vectors, multiplied and added apart
 // fma16_exact(a, b, c) is for products known exact (bf16 x bf16): fused where FMA exists, which
 // then gives the same bits as apart.
@@ -34,10 +33,8 @@ struct v16 {
   __m256 a, b;  // lanes [0, 8), [8, 16)
 };
 inline v16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline v16 fma16(v16 a, v16 b, v16 c) {  // rounded twice, as the generic vectors' a * b + c
-  return {_mm256_add_ps(_mm256_mul_ps(a.a, b.a), c.a), _mm256_add_ps(_mm256_mul_ps(a.b, b.b), c.b)};
-}
-inline v16 fma16_exact(v16 a, v16 b, v16 c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+inline v16 fma16(v16 a, v16 b, v16 c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+inline v16 fma16_exact(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
 inline v16 load_x16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline __m256 bf16x8_to_float(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
@@ -78,9 +75,18 @@ inline float half_bits_to_float(uint16_t bits) {
 #endif
 }
 
-// A group's d or m as a float: from fp16 bits (int4) or a float (int4f).
+// A group's (d, m) from fp16 bits (int4) or floats (int4f): as two floats, or with F16C as the
+// low lanes of a vector (d, m, 0, 0), one conversion for both.
 inline float scale_value(uint16_t bits) { return half_bits_to_float(bits); }
 inline float scale_value(float v) { return v; }
+#if defined(__F16C__)
+inline __m128 scale_pair(const uint16_t* dm) {
+  uint32_t pair;
+  std::memcpy(&pair, dm, sizeof pair);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));
+}
+inline __m128 scale_pair(const float* dm) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dm))); }
+#endif
 
 // One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32); dm its (d, m), fp16 bits
 // or floats. d * q is exact for every d the loaders make (fp16 d: 11 + 4 significant bits; int4f's
@@ -88,14 +94,15 @@ inline float scale_value(float v) { return v; }
 // of d * q + m.
 template <typename S>
 inline void dequant_group(const uint8_t* q, const S* dm, v16& lo, v16& hi) {
-  const float df = scale_value(dm[0]), mf = scale_value(dm[1]);
 #if defined(__AVX512F__)
-  const __m512 d = _mm512_set1_ps(df), m = _mm512_set1_ps(mf);
+  const __m128 dm4 = scale_pair(dm);
+  const __m512 d = _mm512_broadcastss_ps(dm4), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm4));
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), d, m);
   hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 #elif defined(TANDEM_INT4_AVX2)
-  const __m256 d = _mm256_set1_ps(df), m = _mm256_set1_ps(mf);
+  const __m128 dm4 = scale_pair(dm);
+  const __m256 d = _mm256_broadcastss_ps(dm4), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm4));
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes));
   const __m256i low = _mm256_set1_epi32(15);
@@ -107,7 +114,7 @@ inline void dequant_group(const uint8_t* q, const S* dm, v16& lo, v16& hi) {
   vu8x16 bytes;
   std::memcpy(&bytes, q, sizeof bytes);
   const vi16 wide = __builtin_convertvector(bytes, vi16);
-  const vf16 d = vf16{} + df, m = vf16{} + mf;
+  const vf16 d = vf16{} + scale_value(dm[0]), m = vf16{} + scale_value(dm[1]);
   lo = __builtin_convertvector(wide & 15, vf16) * d + m;
   hi = __builtin_convertvector(wide >> 4, vf16) * d + m;
 #endif
