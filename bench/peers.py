@@ -7,7 +7,8 @@
     bf16     Tandem ``--dtype bfloat16``                     /  a BF16 GGUF
     8bit     Tandem ``--quantization w8a8``                  /  a Q8_0 GGUF
     int4     Tandem serving the Q4 GGUF itself, packed       /  the same Q4 GGUF file
-             (``--quantization gguf --dtype bfloat16``; ``--int4-file`` picks Q4_1 (default) or Q4_0)
+             (``--quantization gguf``, activations in Tandem's default dtype: bf16 where the CPU
+             has it, float32 otherwise; ``--int4-file`` picks Q4_1 (default) or Q4_0)
 
 For the default model the BF16 and Q8_0 files are its GGUF with every matrix dequantized and
 re-encoded (``bench/gguf_files.py``); for ``--model bench-1b`` (Llama-3.2-1B's shape, random
@@ -59,7 +60,7 @@ PAIRINGS = {  # pairing -> (Tandem's engine arguments, GGUF format for llama.cpp
     "default": ([], "Q4_1"),
     "bf16": (["--dtype", "bfloat16"], "BF16"),
     "8bit": (["--quantization", "w8a8"], "Q8_0"),
-    "int4": (["--quantization", "gguf", "--dtype", "bfloat16"], "Q4_1"),  # Tandem serves the GGUF file itself
+    "int4": (["--quantization", "gguf"], "Q4_1"),  # Tandem serves the GGUF file itself
 }
 INT4_FILES = ("Q4_1", "Q4_0")
 TANDEM_LOG_FACTS = re.compile(r"Engine ready|\[start-up\] (weights|CPU kernels|KV cache|decode graphs)")
