@@ -67,16 +67,19 @@ OPEN_ROUTES = frozenset({"/health", "/load", "/metrics", "/version", "/docs", "/
 def create_app(engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
                api_key: Optional[str] = None, collectors: Sequence[Collector] = (),
                limits: Optional[Limits] = None, tool_call_parser: str = "auto",
-               response_store: Optional[ResponseStore] = None) -> FastAPI:
+               response_store: Optional[ResponseStore] = None, enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The HTTP app over an engine client. ``model_info.model_name`` is the served name.
 
     ``collectors`` (e.g. the router's) are served on ``/metrics`` with the HTTP metrics;
     ``tool_call_parser`` is the format of tool calls in the model's replies; ``response_store``
-    keeps /v1/responses' stored responses (default: this process's memory). The endpoints'
+    keeps /v1/responses' stored responses (default: this process's memory);
+    ``enable_prompt_tokens_details``: chat and completions usage reports the prompt tokens the
+    prefix cache served (``prompt_tokens_details``, vLLM's flag). The endpoints'
     shared ``ServingContext`` is ``app.state.serving`` (its ``close()`` stops the chat template
     workers, if request templates are allowed).
     """
-    context = ServingContext(engine_client, tokenizer, model_info, limits, tool_call_parser)
+    context = ServingContext(engine_client, tokenizer, model_info, limits, tool_call_parser,
+                             enable_prompt_tokens_details)
     limits = context.limits
     metrics = HttpMetrics()
     for collector in collectors:

@@ -106,7 +106,8 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
               api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               backend_timeout: float = 600.0, shutdown_timeout: float = 30.0, log_level: str = "info",
               routing: str = "prefix", routing_prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-              limits: Optional[Limits] = None, security=None, tool_call_parser: str = "auto") -> None:
+              limits: Optional[Limits] = None, security=None, tool_call_parser: str = "auto",
+              enable_prompt_tokens_details: bool = False) -> None:
     """Connect to the backends of ``backend`` (``frontend.router.parse_targets``), check the
     tokenizer, serve HTTP until SIGINT/SIGTERM. Raises ``StartupError`` (or another
     ``TandemError``, e.g. ``PortInUseError`` before anything else) when it cannot start.
@@ -135,7 +136,8 @@ async def run(backend: str, host: str = "127.0.0.1", port: int = 8000, tokenizer
         if served_model_name:
             model_info.model_name = served_model_name
         app = create_app(router, load_tokenizer(str(tokenizer_dir)), model_info, api_key, [router.collector()],
-                         limits, tool_call_parser, response_store=BackendResponseStore(router))
+                         limits, tool_call_parser, response_store=BackendResponseStore(router),
+                         enable_prompt_tokens_details=enable_prompt_tokens_details)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="off",
                                 http=app.state.http_protocol)
@@ -195,6 +197,9 @@ def build_parser(prog: str = "python -m frontend.server") -> argparse.ArgumentPa
                           help="the name to check in the backend's certificate (default: the --backend host)")
     parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
                         help="format of tool calls in the model's replies (default: auto, from the chat template)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report the prompt tokens the prefix cache served in chat and completions usage "
+                             "(prompt_tokens_details.cached_tokens; left out without this flag)")
     return parser
 
 
@@ -217,7 +222,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m frontend.serve
                                    args.backend_ssl_keyfile, args.backend_ssl_server_name)
         asyncio.run(run(args.backend, args.host, args.port, args.tokenizer, args.api_key, args.served_model_name,
                         args.backend_timeout, args.shutdown_timeout, args.log_level, args.routing,
-                        args.routing_prefix_tokens, Limits.from_cli_args(args), security, args.tool_call_parser))
+                        args.routing_prefix_tokens, Limits.from_cli_args(args), security, args.tool_call_parser,
+                        args.enable_prompt_tokens_details))
     except TandemError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

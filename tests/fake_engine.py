@@ -141,9 +141,11 @@ def engine(tokenizer) -> FakeEngine:
     return FakeEngine(tokenizer)
 
 
-def make_client(engine, tokenizer, api_key=None) -> TestClient:
+def make_client(engine, tokenizer, api_key=None, **app_options) -> TestClient:
+    """A client of the app over ``engine``; ``app_options``: more of ``create_app``'s arguments."""
     info = ModelInfo(MODEL, MAX_MODEL_LEN, TINY_VOCAB, [engine.eos])
-    return TestClient(create_app(engine, tokenizer, info, api_key=api_key), raise_server_exceptions=False)
+    return TestClient(create_app(engine, tokenizer, info, api_key=api_key, **app_options),
+                      raise_server_exceptions=False)
 
 
 @pytest.fixture

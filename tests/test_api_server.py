@@ -94,9 +94,10 @@ def test_metrics_count_requests_by_route_and_status(client):
 # ---- completions ------------------------------------------------------------------------------
 
 
-def test_completion_text_usage_and_engine_request(client, engine, tokenizer):
-    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5,
-                                                    "temperature": 0})
+def test_completion_text_usage_and_engine_request(engine, tokenizer):
+    with make_client(engine, tokenizer, enable_prompt_tokens_details=True) as client:
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5,
+                                                        "temperature": 0})
     assert response.status_code == 200, response.text
     body = response.json()
     prompt_ids = tokenizer.encode("Hello")

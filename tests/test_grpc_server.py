@@ -410,7 +410,7 @@ def test_metrics_endpoint_exposes_vllm_names_and_counts_requests(backend):
         return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
     assert delta("tandem:generation_tokens_total") == 6
-    assert 0 < delta("tandem:prompt_tokens_total") <= 5  # less when a prefix was cached
+    assert delta("tandem:prompt_tokens_total") == 5  # the whole prompt, cached or not (vLLM's count)
     length = tuple(sorted(model + (("finished_reason", "length"),)))
     assert delta("tandem:request_success_total", length) == 1
     assert delta("tandem:time_to_first_token_seconds_count") == 1
@@ -418,6 +418,26 @@ def test_metrics_endpoint_exposes_vllm_names_and_counts_requests(backend):
     assert delta("tandem:request_generation_tokens_sum") == 6
     assert after[("tandem:num_requests_running", model)] == 0
 
+
+def test_the_metrics_port_counts_whole_prompts_prefix_hits_included(backend):
+    """vLLM's prompt_tokens_total on the backend's own port: both prompts in full, though the second's
+    shared prefix came from the cache (counted apart, in prefix_cache_hits)."""
+    wait_until_idle(backend)
+    model = (("model_name", str(backend.model_dir)),)
+    prefix = list(range(300, 324))  # 6 full blocks of 4
+    prompts = [prefix + [7], prefix + [8, 9]]
+    before = scrape(backend)
+    for i, prompt in enumerate(prompts):
+        request = engine_pb2.GenerateRequest(request_id=f"whole-prompt-{i}", prompt_token_ids=prompt,
+                                             sampling_params=engine_pb2.SamplingParams(max_tokens=1))
+        list(backend.stub.Generate(request, timeout=30))
+    after = scrape(backend)
+
+    def delta(name: str) -> float:
+        return after.get((name, model), 0.0) - before.get((name, model), 0.0)
+
+    assert delta("tandem:prefix_cache_hits_total") >= len(prefix)
+    assert delta("tandem:prompt_tokens_total") == sum(map(len, prompts))
 
 def test_cache_salt_isolates_prefixes_over_grpc(backend):
     prompt = list(range(200, 221))  # 5 full blocks of 4, and a token

@@ -45,7 +45,7 @@ def test_sampling_ranges_come_from_the_models_and_the_settings(schema):
         assert fields["logit_bias"]["maxProperties"] == LIMITS.max_logit_bias
         assert fields["logit_bias"]["additionalProperties"]["maximum"] == 100
     completion = schema["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert (completion["logprobs"]["minimum"], completion["logprobs"]["maximum"]) == (0, LIMITS.max_logprobs)
+    assert (completion["logprobs"]["minimum"], completion["logprobs"]["maximum"]) == (-1, LIMITS.max_logprobs)
     assert schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["top_logprobs"]["maximum"] == 5
 
 

@@ -108,6 +108,29 @@ def test_the_api_ports_metrics_serve_vllms_names_beside_tandems(stack):
     assert not any(name.startswith("vllm:engine_errors") or name.startswith("vllm:http") for name, _ in after)
 
 
+def test_prompt_tokens_count_whole_prompts_prefix_cache_hits_included(stack):
+    """vLLM's prompt_tokens_total counts each sequence's whole prompt; the hits are counted apart."""
+    engine, base_url = stack
+    model = engine.engine.model_info().model_name
+    prefix = [(7 * i + 3) % 200 + 20 for i in range(40)]  # 10 full blocks of 4, shared
+    prompts = [prefix + [5, 6, 7], prefix + [8, 9]]
+    before = samples(http(base_url, "/metrics"))
+    for prompt in prompts:  # one after the other: the second finds the first's blocks cached
+        reply = json.loads(http(base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                                              "temperature": 0, "ignore_eos": True}))
+        assert reply["usage"]["prompt_tokens"] == len(prompt)
+    after = samples(http(base_url, "/metrics"))
+
+    def value(name: str) -> float:
+        key = (name, (("model_name", model),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for name in ("tandem:", "vllm:"):
+        assert value(name + "prefix_cache_hits_total") >= len(prefix)  # the second prompt hit the cache
+        assert value(name + "prompt_tokens_total") == sum(map(len, prompts))  # the hits included
+        assert value(name + "prefix_cache_queries_total") == sum(map(len, prompts))
+
+
 def test_speculative_decoding_counters_appear_only_with_a_proposer():
     from types import SimpleNamespace
 

@@ -74,6 +74,8 @@ class LLMEngine:
             str(config.tokenizer_path), self.vocab_size, self.eos_token_ids,
             compile_timeout_s=config.grammar_compile_timeout_s, compile_workers=config.grammar_compile_workers,
             json_max_whitespace=config.json_max_whitespace)
+        # As vLLM's prompt_tokens_total: the whole prompt of each sequence, counted at its first token
+        # (prefix-cache hits included; a preempted sequence's recompute is not counted again).
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # Tokens per step as vLLM counts them (for /metrics): the tokens generated in the step, plus
@@ -335,9 +337,6 @@ class LLMEngine:
         ``stale``: preempted since the step was scheduled (only its sampled token counts)."""
         if request.draft_token_ids:
             request.draft_token_ids = []
-        num_prompt_tokens = len(request.prompt_token_ids)
-        if s.start_pos + len(s.token_ids) <= num_prompt_tokens:
-            self.num_prompt_tokens_total += len(s.token_ids)
         if s.request_id in runner_out.prompt_logprobs:
             request.record_prompt_logprobs(*runner_out.prompt_logprobs[s.request_id])
         if not s.needs_sample:
@@ -351,6 +350,7 @@ class LLMEngine:
             if not stale:
                 self.block_manager.cache_full_blocks(request, request.num_computed_tokens)  # for the next round
             self.num_generation_tokens_total += 1
+            self.num_prompt_tokens_total += len(request.prompt_token_ids)  # each child: its whole prompt
             self._finish(request, FinishReason.LENGTH)
             if search.record(request.request_id, runner_out.logprobs[s.request_id][0]):
                 finished_rounds.append(search)
@@ -362,6 +362,7 @@ class LLMEngine:
         self.num_generation_tokens_total += len(output.new_token_ids)
         if output.scheduled_time is not None:  # its first token (set on the first output only)
             self._first_token_prompts += output.num_prompt_tokens
+            self.num_prompt_tokens_total += output.num_prompt_tokens
         self.num_draft_tokens_total += s.num_draft_tokens
         self.num_accepted_tokens_total += accepted
         reason = output.finish_reason

@@ -74,6 +74,13 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return ([args.model] if args.model else []) + changed_flags(args, EngineConfig(), names)
 
 
+def frontend_options(args: argparse.Namespace) -> list[str]:
+    """The frontend's own flags in ``args`` (``tandem serve``'s), as its command line."""
+    return ["--tool-call-parser", args.tool_call_parser,
+            *(["--enable-prompt-tokens-details"] if args.enable_prompt_tokens_details else []),
+            *changed_flags(args, Limits(), FRONTEND_LIMITS)]
+
+
 def _set_parent_death_signal() -> None:
     """In the child, before exec: get SIGTERM if the parent dies (Linux), so none is orphaned."""
     try:
@@ -153,8 +160,7 @@ def serve(args: argparse.Namespace) -> int:
     frontend_argv = [sys.executable, "-m", "frontend.server", "--backend", f"127.0.0.1:{args.grpc_port}",
                      "--host", args.host, "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
                      "--backend-timeout", "0",  # we watch the backend process ourselves
-                     "--tool-call-parser", args.tool_call_parser,
-                     *changed_flags(args, Limits(), FRONTEND_LIMITS)]
+                     *frontend_options(args)]
     # The frontend echoes this on /health: "serving" is announced only when our own frontend
     # answers, never another server that happens to hold the port.
     instance_id = secrets.token_hex(8)
@@ -277,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
                               help="format of tool calls in the model's replies (default: auto, from the "
                                    "chat template)")
+    serve_parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                              help="report the prompt tokens the prefix cache served in chat and completions "
+                                   "usage (prompt_tokens_details.cached_tokens; left out without this flag)")
     serve_parser.set_defaults(handler=serve)
 
     commands.add_parser("backend", add_help=False, help="the gRPC backend alone (see `tandem backend --help`)")

@@ -8,7 +8,8 @@ import types
 import typing
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 from pydantic.json_schema import SkipJsonSchema
 
 from frontend.unicode_check import check_valid_unicode
@@ -246,10 +247,20 @@ class PromptTokensDetails(ResponseModel):
 
 
 class UsageInfo(ResponseModel):
+    """A reply's token counts; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``
+    (vLLM's flag), left out (not null) without it."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class PromptLogprob(ResponseModel):

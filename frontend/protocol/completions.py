@@ -19,7 +19,7 @@ class CompletionRequest(SamplingFields):
     # OpenAI's and vLLM's default; 0 only with echo (prompt scoring); maximum: max_model_len.
     max_tokens: Optional[int] = ranged(16, minimum=0)
     echo: bool = False
-    logprobs: Optional[int] = ranged(minimum=0)  # maximum: --max-logprobs
+    logprobs: Optional[int] = ranged(minimum=-1)  # -1: the whole vocabulary; maximum: --max-logprobs
     suffix: SkipJsonSchema[Optional[str]] = None  # UNSUPPORTED_FIELDS
     prompt_embeds: SkipJsonSchema[Optional[Any]] = None  # UNSUPPORTED_FIELDS
 

@@ -158,7 +158,9 @@ class AnthropicServingMessages(OpenAIServing):
         message_id = f"msg_{uuid.uuid4().hex}"
         stop_sequences = request.stop_sequences or []
         single_tool_use = request.tool_choice is not None and request.tool_choice.disable_parallel_tool_use
-        response = await self.chat.create_chat_completion(chat_request_of(request, message_id), raw_request)
+        # cache_read_input_tokens is part of Anthropic's usage: reported whatever the server's flag.
+        response = await self.chat.create_chat_completion(chat_request_of(request, message_id), raw_request,
+                                                          prompt_tokens_details=True)
         if isinstance(response, StreamingResponse):
             stream = MessageStream(message_id, self.model_name, stop_sequences, single_tool_use)
             return sse.SSEResponse(stream.events(response.body_iterator))

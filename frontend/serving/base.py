@@ -56,16 +56,20 @@ class ServingContext:
     """What the endpoints of one app share.
 
     ``tool_call_parser``: the format of tool calls in the model's replies
-    (``frontend.tool_calls``; "auto" picks it from the chat template). ``close()``
-    stops the chat template workers the renderer may have started.
+    (``frontend.tool_calls``; "auto" picks it from the chat template).
+    ``enable_prompt_tokens_details`` (vLLM's ``--enable-prompt-tokens-details``): chat and
+    completions usage carries ``prompt_tokens_details.cached_tokens``. ``close()`` stops the chat
+    template workers the renderer may have started.
     """
 
     def __init__(self, engine_client: EngineClient, tokenizer: PreTrainedTokenizerFast, model_info: ModelInfo,
-                 limits: Optional[Limits] = None, tool_call_parser: str = "auto") -> None:
+                 limits: Optional[Limits] = None, tool_call_parser: str = "auto",
+                 enable_prompt_tokens_details: bool = False) -> None:
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = limits or Limits()
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tool_call_parser = choose_parser(tool_call_parser, tokenizer.chat_template)  # before workers start
         self.renderer = PromptRenderer(tokenizer, model_info, self.limits)
         self.num_in_flight = 0  # generation requests being answered (/load)
@@ -295,16 +299,20 @@ class OpenAIServing:
             self.context.num_in_flight -= 1
         yield sse.DONE
 
-    def _usage(self, runs: list[EngineRun], count_completion: bool = True) -> P.UsageInfo:
+    def _usage(self, runs: list[EngineRun], count_completion: bool = True,
+               details: Optional[bool] = None) -> P.UsageInfo:
         """The runs' token counts so far; ``count_completion`` False: none generated yet (a stream's
-        role chunk, written before any text, reports 0 completion tokens as vLLM's does)."""
+        role chunk, written before any text, reports 0 completion tokens as vLLM's does).
+        ``details``: with the prompt tokens the prefix cache served (None: as the server is set)."""
         prompt_tokens = sum(len(run.prompt.token_ids) for run in runs)
         completion_tokens = sum(0 if run.echo_only else len(seq.token_ids)
                                 for run in runs for seq in run.builder.sequences) if count_completion else 0
-        cached = sum(run.builder.num_cached_tokens for run in runs)
+        if details is None:
+            details = self.context.enable_prompt_tokens_details
+        cached = P.PromptTokensDetails(cached_tokens=sum(run.builder.num_cached_tokens for run in runs)) \
+            if details else None
         return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           total_tokens=prompt_tokens + completion_tokens,
-                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+                           total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=cached)
 
     @staticmethod
     def _json(response: BaseModel) -> JSONResponse:

@@ -31,7 +31,11 @@ from frontend.tool_reply import ToolReply, merge_tool_deltas
 class OpenAIServingChat(OpenAIServing):
     """The chat endpoint; tool calls in the format of the context's ``tool_call_parser``."""
 
-    async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request) -> Response:
+    async def create_chat_completion(self, request: P.ChatCompletionRequest, raw_request: Request, *,
+                                     prompt_tokens_details: Optional[bool] = None) -> Response:
+        """The reply (JSON, or SSE with ``stream``). ``prompt_tokens_details``: whether usage carries
+        the cached prompt tokens (None: as the server is set; /v1/responses and /v1/messages, whose
+        schemas report them always, ask for them)."""
         self._check_request(request)
         self.renderer.check_chat_template(request.chat_template)
         if request.top_logprobs and request.top_logprobs >= -1 and not request.logprobs:
@@ -76,14 +80,15 @@ class OpenAIServingChat(OpenAIServing):
         last = request.messages[-1] if request.messages else {}
         run.echo_text = str(last.get("content") or "") if request.echo and last.get("role") == role else ""
         runs = [run]
+        details = self.context.enable_prompt_tokens_details if prompt_tokens_details is None else prompt_tokens_details
         if request.stream:
             return await self._stream(raw_request, runs, lambda first, events: self._chat_chunks(
-                request, base_id, runs, first, events))
+                request, base_id, runs, first, events, details))
         await unless_disconnected(raw_request, self._collect(runs))
-        return self._json(self._chat_response(request, base_id, runs))
+        return self._json(self._chat_response(request, base_id, runs, details))
 
     def _chat_response(self, request: P.ChatCompletionRequest, base_id: str,
-                       runs: list[EngineRun]) -> P.ChatCompletionResponse:
+                       runs: list[EngineRun], details: bool) -> P.ChatCompletionResponse:
         (run,) = runs
         choices = []
         as_ids = request.return_tokens_as_token_ids
@@ -104,13 +109,13 @@ class OpenAIServingChat(OpenAIServing):
                 index=rank, message=message, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=seq.stop_reason, token_ids=seq.token_ids if request.return_token_ids else None))
         return P.ChatCompletionResponse(
-            id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs),
+            id=base_id, model=self.model_name, choices=choices, usage=self._usage(runs, details=details),
             prompt_logprobs=prompt_logprobs_json(run.builder.prompt_logprobs)
             if request.prompt_logprobs is not None else None,
             prompt_token_ids=run.prompt.token_ids if request.return_token_ids else None)
 
     async def _chat_chunks(self, request: P.ChatCompletionRequest, base_id: str, runs: list[EngineRun],
-                           first: Optional[Event], events: AsyncIterator[Event]) -> AsyncIterator[str]:
+                           first: Optional[Event], events: AsyncIterator[Event], details: bool) -> AsyncIterator[str]:
         (run,) = runs
         created = int(time.time())
         as_ids = request.return_tokens_as_token_ids
@@ -122,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choices: list[P.ChatCompletionStreamChoice], usage: Optional[P.UsageInfo] = None,
                   prompt_token_ids: Optional[list[int]] = None) -> str:
             if usage is None and continuous and choices:
-                usage = self._usage(runs)
+                usage = self._usage(runs, details=details)
             return sse_event(P.ChatCompletionStreamResponse(id=base_id, created=created, model=self.model_name,
                                                             choices=choices, usage=usage,
                                                             prompt_token_ids=prompt_token_ids))
@@ -137,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
 
         # OpenAI's first chunk of each choice carries the role (and vLLM's echo), and no tokens yet;
         # its content is "" (vLLM's), or null where the reply can only be tool calls (as OpenAI's).
-        role_usage = self._usage(runs, count_completion=False) if continuous else None
+        role_usage = self._usage(runs, count_completion=False, details=details) if continuous else None
         calls_only = run.replies[0].mode in ("required", "named") and not run.echo_text
         for index in range(request.n):
             yield chunk([P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(
@@ -179,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason,
                 token_ids=token_ids)])
         if include_usage:
-            yield chunk([], self._usage(runs))
+            yield chunk([], self._usage(runs, details=details))
 
 
 def _num_top(request: P.ChatCompletionRequest, run: EngineRun) -> int:

@@ -32,18 +32,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.max_tokens == 0 and not request.echo:
             raise InvalidRequestError("max_tokens must be at least 1 (0 is only for echo, to score the prompt).",
                                       param="max_tokens")
-        if request.logprobs is not None and request.logprobs < 0:  # vLLM takes -1 in prompt_logprobs only
-            raise InvalidRequestError(f"logprobs must be non-negative, got {request.logprobs}.", param="logprobs")
-        prompt_logprobs = self.limits.logprobs_count("prompt_logprobs", request.prompt_logprobs,
-                                                     self.model_info.vocab_size)  # -1: the whole vocabulary
+        # vLLM's -1: the whole vocabulary (within --max-logprobs).
+        vocab_size = self.model_info.vocab_size
+        logprobs = self.limits.logprobs_count("logprobs", request.logprobs, vocab_size)
+        prompt_logprobs = self.limits.logprobs_count("prompt_logprobs", request.prompt_logprobs, vocab_size)
         prompts = await self.renderer.completion_prompts(request.prompt, request.best_of or request.n,
                                                          request.add_special_tokens is not False)
         prompts = [self.renderer.truncate(prompt, request.truncate_prompt_tokens, request.truncation_side)
                    for prompt in prompts]
         # Omitted: OpenAI's and vLLM's 16, capped to the room left; explicit null: all the room left.
         explicit = "max_tokens" in request.model_fields_set
-        if request.echo and request.logprobs is not None and prompt_logprobs is None:
-            prompt_logprobs = request.logprobs
+        if request.echo and logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = logprobs
         base_id = f"cmpl-{request.request_id or uuid.uuid4().hex}"
         deadline = self._deadline()
         runs = []
@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = max_tokens_for(requested, len(prompt.token_ids),
                                         default=None if explicit else request.max_tokens, prompt_param="prompt",
                                         max_model_len=self.model_info.max_model_len)
-            params = sampling_params(request, max_tokens, request.logprobs, prompt_logprobs, None, self.limits)
+            params = sampling_params(request, max_tokens, logprobs, prompt_logprobs, None, self.limits)
             run = EngineRun(f"{base_id}-{i}", prompt, params, self.tokenizer, first_choice=i * request.n,
                             deadline=deadline, cache_salt=request.cache_salt)
             run.echo_only = request.max_tokens == 0

@@ -153,8 +153,10 @@ class OpenAIServingResponses(OpenAIServing):
                                       param="input")
         head = ResponseHead(response_id, self.model_name, request)
         try:
+            # input_tokens_details is part of the Responses schema: reported whatever the server's
+            # --enable-prompt-tokens-details (as vLLM reports it).
             chat_response = await self.chat.create_chat_completion(chat_request_of(request, items, response_id),
-                                                                   raw_request)
+                                                                   raw_request, prompt_tokens_details=True)
         except InvalidRequestError as error:
             error.param = _RESPONSES_FIELD_OF.get(error.param, error.param)
             raise
