@@ -19,34 +19,47 @@ namespace {
 
 using vb8 = uint8_t __attribute__((vector_size(8)));
 
-// One row, vocab tokens: x[v] penalized from seen[v] (0/1) and count[v] (>= 0), as the header says.
-// Explicit 8-lane vectors: GCC keeps the plain loop scalar (under its default -ftrapping-math it
-// will not turn the float compare and division into a select), ~10x slower on an AVX2 CPU.
-// Lane for lane the scalar tail's arithmetic, so the two agree bit for bit.
+// seen[0:8] (bytes 0/1) widened to 8 int32 lanes: one vpmovzxbd with AVX2 (GCC's generic
+// conversion extracts and inserts the bytes one by one, most of the row's time).
+inline vi widen8(const uint8_t* seen) {
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(seen)));
+  vi out;
+  std::memcpy(&out, &wide, sizeof out);
+  return out;
+#else
+  vb8 s8;
+  std::memcpy(&s8, seen, sizeof s8);
+  return __builtin_convertvector(s8, vi);
+#endif
+}
+
+// One row, vocab tokens: out[v] = in[v] penalized from seen[v] (0/1) and count[v] (>= 0), as the
+// header says (in may be out). Explicit 8-lane vectors: GCC keeps the plain loop scalar (under its
+// default -ftrapping-math it will not turn the float compare and division into a select), ~10x
+// slower on an AVX2 CPU. Lane for lane the scalar tail's arithmetic, so the two agree bit for bit.
 template <bool kRepeat>
-inline void penalize_row(float* x, const uint8_t* seen, const int32_t* count, int64_t vocab, float rep,
-                         float freq, float pres) {
+inline void penalize_row(float* out, const float* in, const uint8_t* seen, const int32_t* count, int64_t vocab,
+                         float rep, float freq, float pres) {
   const vf rep_v = vsplat(rep), freq_v = vsplat(freq), pres_v = vsplat(pres), one = vsplat(1.0f), zero{};
   int64_t v = 0;
   for (; v + kLanes <= vocab; v += kLanes) {
     vi c;
     std::memcpy(&c, count + v, sizeof c);
-    vf value = vload(x + v);
+    vf value = vload(in + v);
     if constexpr (kRepeat) {
-      vb8 s8;
-      std::memcpy(&s8, seen + v, sizeof s8);
-      const vi hit = __builtin_convertvector(s8, vi) | c;  // nonzero: in the prompt or the outputs
+      const vi hit = widen8(seen + v) | c;  // nonzero: in the prompt or the outputs
       const vf shrunk = value > zero ? value / rep_v : value * rep_v;
       value = hit != 0 ? shrunk : value;
     }
     const vf present = c > 0 ? one : zero;
-    vstore(x + v, (value - freq_v * __builtin_convertvector(c, vf)) - pres_v * present);
+    vstore(out + v, (value - freq_v * __builtin_convertvector(c, vf)) - pres_v * present);
   }
   for (; v < vocab; ++v) {
     const int32_t c = count[v];
-    float value = x[v];
+    float value = in[v];
     if (kRepeat && (seen[v] != 0 || c > 0)) value = value > 0.0f ? value / rep : value * rep;
-    x[v] = (value - freq * static_cast<float>(c)) - pres * (c > 0 ? 1.0f : 0.0f);
+    out[v] = (value - freq * static_cast<float>(c)) - pres * (c > 0 ? 1.0f : 0.0f);
   }
 }
 
@@ -75,16 +88,25 @@ void check_tables(const Tensor& logits, const Tensor& rows, const Tensor& prompt
   }
 }
 
-// Row j's penalties on x [vocab] float32, in place.
-inline void penalize(float* x, int64_t j, const int64_t* slot_p, const bool* seen_p, const int32_t* count_p,
-                     int64_t vocab, const float* rep_p, const float* freq_p, const float* pres_p) {
+// out [vocab] float32 = in [vocab] with row j's penalties (in may be out).
+inline void penalize(float* out, const float* in, int64_t j, const int64_t* slot_p, const bool* seen_p,
+                     const int32_t* count_p, int64_t vocab, const float* rep_p, const float* freq_p,
+                     const float* pres_p) {
   const uint8_t* seen = reinterpret_cast<const uint8_t*>(seen_p) + slot_p[j] * vocab;
   const int32_t* count = count_p + slot_p[j] * vocab;
   if (rep_p[j] != 1.0f)
-    penalize_row<true>(x, seen, count, vocab, rep_p[j], freq_p[j], pres_p[j]);
+    penalize_row<true>(out, in, seen, count, vocab, rep_p[j], freq_p[j], pres_p[j]);
   else
-    penalize_row<false>(x, seen, count, vocab, rep_p[j], freq_p[j], pres_p[j]);
+    penalize_row<false>(out, in, seen, count, vocab, rep_p[j], freq_p[j], pres_p[j]);
 }
+
+// A logits row as float32: a float row itself (read in place), any other copied to scratch [n] (exactly).
+template <typename T>
+inline const float* float_row(const T* x, float* scratch, int64_t n) {
+  load_row(scratch, x, n);
+  return scratch;
+}
+inline const float* float_row(const float* x, float*, int64_t) { return x; }
 
 }  // namespace
 
@@ -113,14 +135,15 @@ void apply_penalties(Tensor logits, const Tensor& rows, const Tensor& prompt_see
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
-      penalize(out + row_p[j] * out_stride, j, slot_p, seen_p, count_p, vocab, rep_p, freq_p, pres_p);
+      penalize(out + row_p[j] * out_stride, out + row_p[j] * out_stride, j, slot_p, seen_p, count_p, vocab, rep_p,
+               freq_p, pres_p);
   });
 }
 
 // logits [R, V] float32 or bf16 (rows contiguous; not modified) -> [R] int64: each row's first
 // maximum (argmax_rows'), taken after apply_penalties' penalties on rows[j] from slot slots[j] (the
-// other rows as they are): a penalized row is copied to float32 scratch (exact), penalized there,
-// and its maximum taken there. With count, each rows[j]'s token is then added to
+// other rows as they are): a penalized row is penalized into a float32 scratch row (bf16 rows first
+// copied there, exactly), and its maximum taken there. With count, each rows[j]'s token is then added to
 // output_counts[slots[j]] (as index_put_ with accumulate would: a slot serving two rows gets both).
 Tensor penalized_argmax(const Tensor& logits, const Tensor& rows, const Tensor& prompt_seen, Tensor output_counts,
                         const Tensor& slots, const Tensor& repetition, const Tensor& frequency,
@@ -156,8 +179,8 @@ Tensor penalized_argmax(const Tensor& logits, const Tensor& rows, const Tensor& 
           token_p[i] = argmax_row(x + i * stride, vocab);
           continue;
         }
-        load_row(scratch.data(), x + i * stride, vocab);
-        penalize(scratch.data(), j, slot_p, seen_p, count_p, vocab, rep_p, freq_p, pres_p);
+        const float* row = float_row(x + i * stride, scratch.data(), vocab);
+        penalize(scratch.data(), row, j, slot_p, seen_p, count_p, vocab, rep_p, freq_p, pres_p);
         token_p[i] = argmax_row(scratch.data(), vocab);
       }
     });
