@@ -11,7 +11,8 @@ since. That is exact because a sequence's parameters, RNG and history slot are f
 first step to its finish, and a slot is freed, or a request ID taken by another request, only
 after that finish reaches the runner (``finished_request_ids``, which clears the kept batch).
 What moves per step is refreshed: the output count of the rows with ``min_tokens``, and the
-tokens recorded in the penalty history since (flushed).
+tokens recorded in the penalty history since (flushed; a kept batch's own tokens are counted on
+the device as they are sampled, ``Sampler``'s ``count``).
 """
 
 from __future__ import annotations
