@@ -13,9 +13,10 @@ its sequence finishes; the tables grow (doubling) when every slot is taken. A se
 are counted once from its list when it first samples here, then from the runner's own sampled
 tokens: on the device as they are sampled (``count``; the sampler's ``count=True``, which a greedy
 step with penalties does inside its one ``penalized_argmax`` kernel) where every sequence samples
-one row and none wants logprobs, else from the host (``record_all``). Output tokens are only ever appended (a preemption
-keeps them; rejected drafts never join; a sequence whose tokens the engine cuts short has ended),
-and the runner never reads a list the engine may be appending to meanwhile (async scheduling).
+one row and none wants logprobs, else from the host (``record_all``). Output tokens are only ever
+appended (a preemption keeps them; rejected drafts never join; a sequence whose tokens the engine
+cuts short has ended), and the runner never reads a list the engine may be appending to meanwhile
+(async scheduling).
 """
 
 from __future__ import annotations
