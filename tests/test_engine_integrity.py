@@ -145,15 +145,19 @@ POISON_PENALTY = 1.2345  # a repetition penalty the patched sampler refuses
 @pytest.fixture
 def poisoned_penalties(monkeypatch):
     """The sampler's penalties raise for a row with POISON_PENALTY (a stand-in for any bug that
-    one request's parameters reach)."""
+    one request's parameters reach), on every path: a batch with random rows (_apply_penalties)
+    and a greedy one (_penalty_args, before the fused penalized argmax)."""
+    def poison(function):
+        def poisoned(*args):
+            rows, row_indices = (args[1], args[2]) if function is apply else (args[0], args[1])
+            if any(rows[i].params.repetition_penalty == POISON_PENALTY for i in row_indices):
+                raise RuntimeError("injected sampler failure")
+            return function(*args)
+        return poisoned
+
     apply = sampler_module._apply_penalties
-
-    def poisoned(logits, rows, row_indices, *args):
-        if any(rows[i].params.repetition_penalty == POISON_PENALTY for i in row_indices):
-            raise RuntimeError("injected sampler failure")
-        return apply(logits, rows, row_indices, *args)
-
-    monkeypatch.setattr(sampler_module, "_apply_penalties", poisoned)
+    monkeypatch.setattr(sampler_module, "_apply_penalties", poison(apply))
+    monkeypatch.setattr(sampler_module, "_penalty_args", poison(sampler_module._penalty_args))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

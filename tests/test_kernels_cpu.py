@@ -424,3 +424,48 @@ def test_apply_penalties_matches_reference_bit_for_bit():
     with pytest.raises(RuntimeError, match="slot is out of range"):
         cpu.apply_penalties(actual, rows, prompt_seen, output_counts, torch.tensor([0, 0, 0, 0, slots]),
                             repetition, frequency, presence)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalized_argmax_matches_penalties_then_argmax_and_counts_the_tokens(dtype):
+    """One kernel instead of copy, apply_penalties, argmax_rows and index_put_: the same tokens
+    (ties, NaN, unpenalized rows, bf16 logits), the same counts, and the logits left as they were."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, slots = 1000 + 3, 7
+    prompt_seen = torch.rand(slots, vocab, generator=gen) < 0.1
+    output_counts = torch.randint(0, 4, (slots, vocab), generator=gen, dtype=torch.int32)
+    output_counts[output_counts < 3] = 0
+    logits = (torch.randn(8, vocab, generator=gen) * 5).to(dtype)
+    logits[1, [3, 700]] = 50.0  # a tie in a penalized row, both tokens unseen: the first one wins
+    prompt_seen[6, [3, 700]] = False
+    output_counts[6, [3, 700]] = 0
+    logits[4, [9, 600]] = float("nan")  # a NaN counts as the maximum, penalized or not
+    logits[7, 0] = float("nan")
+    output_counts[4, logits[2].float().argmax()] = 3  # row 2's best token, penalized away below
+    rows = torch.tensor([6, 1, 4, 0, 2])  # rows 3, 5 and 7 not penalized
+    table = torch.tensor([2, 6, 0, 5, 4])
+    repetition = torch.tensor([1.3, 1.1, 0.8, 2.0, 1.0])
+    frequency = torch.tensor([0.0, 0.5, -1.0, 0.25, 30.0])
+    presence = torch.tensor([0.0, -0.4, 1.5, 0.0, 2.0])
+    args = (rows, prompt_seen, output_counts, table, repetition, frequency, presence)
+    before = logits.clone()
+    for count in (False, True):
+        expected_counts, actual_counts = output_counts.clone(), output_counts.clone()
+        expected = reference.penalized_argmax(logits, rows, prompt_seen, expected_counts, *args[3:], count)
+        actual = cpu.penalized_argmax(logits, rows, prompt_seen, actual_counts, *args[3:], count)
+        assert torch.equal(actual, expected), count
+        assert torch.equal(actual_counts, expected_counts), count
+        torch.testing.assert_close(logits, before, rtol=0, atol=0, equal_nan=True)
+    work = logits.to(torch.float32, copy=True)
+    reference.apply_penalties(work, *args)
+    assert torch.equal(actual, reference.argmax_rows(work))
+    assert torch.equal(actual[[3, 5, 7]], reference.argmax_rows(logits[[3, 5, 7]]))
+    assert actual[1] == 3 and actual[4] == 9 and actual[7] == 0
+    assert actual[2] != reference.argmax_rows(logits)[2]
+    assert int((actual_counts - output_counts).sum()) == len(rows)
+    assert torch.equal((actual_counts - output_counts)[table, actual[rows]], torch.ones(len(rows), dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="listed twice"):
+        cpu.penalized_argmax(logits, torch.tensor([6, 1, 4, 0, 6]), prompt_seen, output_counts, *args[3:], True)
+    with pytest.raises(RuntimeError, match="slot is out of range"):
+        cpu.penalized_argmax(logits, rows, prompt_seen, output_counts, torch.tensor([0, 0, 0, 0, slots]),
+                             *args[4:], True)

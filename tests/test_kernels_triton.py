@@ -185,7 +185,7 @@ class _SaysCuda(torch.Tensor):
 
 
 def test_cuda_tensors_never_build_the_cpu_kernels(monkeypatch):
-    """On CUDA tensors silu_and_mul, argmax_rows and qkv_attention go to Triton / torch without
+    """On CUDA tensors silu_and_mul, argmax_rows, penalized_argmax and qkv_attention go to Triton / torch without
     asking for the C++ kernels (asking builds them: g++ for tens of seconds, in the first
     CUDA forward of a server start-up)."""
     from types import SimpleNamespace
@@ -217,6 +217,11 @@ def test_cuda_tensors_never_build_the_cpu_kernels(monkeypatch):
     assert x.is_cuda and not x.is_cpu
     torch.testing.assert_close(ops.silu_and_mul(x).as_subclass(torch.Tensor), R.silu_and_mul(x.as_subclass(torch.Tensor)))
     assert torch.equal(ops.argmax_rows(x).as_subclass(torch.Tensor), x.as_subclass(torch.Tensor).argmax(-1))
+    seen, counts = torch.zeros(2, 8, dtype=torch.bool), torch.zeros(2, 8, dtype=torch.int32)
+    tokens = ops.penalized_argmax(x, torch.tensor([2]), seen, counts, torch.tensor([1]), torch.tensor([1.5]),
+                                  torch.tensor([0.0]), torch.tensor([0.0]), True)
+    assert torch.equal(tokens.as_subclass(torch.Tensor), x.as_subclass(torch.Tensor).argmax(-1))
+    assert counts.sum() == 1 and counts[1, tokens[2]] == 1
 
     b = make_paged_batch([(3, 2)], 4, 2, 16, 4)
     qkv = torch.cat([b.query.flatten(1), b.key.flatten(1), b.value.flatten(1)], 1).as_subclass(_SaysCuda)

@@ -139,3 +139,28 @@ def test_outputs_with_kept_rows_equal_rows_rebuilt_every_step(checkpoint, monkey
     assert outputs() == kept
     assert sum(hits) > len(hits) // 2, "most steps would have reused the kept rows"
     assert any(tokens for seqs in kept.values() for tokens, _, _ in seqs.values())
+
+
+def test_outputs_with_on_device_counts_equal_penalties_from_the_token_lists(checkpoint, monkeypatch):  # noqa: F811
+    """Synchronous steps count their penalized tokens on the device as they sample them (the fused
+    greedy kernel, or one count after a random row): the outputs equal those of penalties computed
+    from each request's token lists every step (no history slots). Small frequency penalties, so
+    that a token counted twice (as a doubled penalty) or not at all changes the outputs."""
+    def specs(frequency: float) -> list[tuple[str, list[int], SamplingParams]]:
+        kinds = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.2),
+                 dict(temperature=0.0, presence_penalty=0.3), dict(temperature=0.8, seed=4)]
+        return [(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=12 + i, ignore_eos=True,
+                                                                     frequency_penalty=frequency, **kinds[i % 4]))
+                for i in range(8)]
+
+    def outputs(frequency: float):
+        engine = make_engine(checkpoint, False, max_num_seqs=4)
+        try:
+            return run(engine, specs(frequency), abort_after={"r2": 7})
+        finally:
+            engine.shutdown()
+
+    counted = outputs(0.1)
+    assert outputs(0.2) != counted, "counting a token twice would change the outputs"
+    monkeypatch.setattr(SamplingRows, "penalty_slots", lambda self, requests, vocab_size: {})
+    assert outputs(0.1) == counted

@@ -34,7 +34,7 @@ from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
 from backend.worker.pooler import Pooler
 from backend.worker.logprobs import compute_prompt_logprobs
 from backend.worker.sampler import Sampler
-from backend.worker.sampling_rows import SampledBatch, SamplingRows
+from backend.worker.sampling_rows import SamplingRows
 from backend.worker.staged_upload import StagedUpload, list_tensor
 from backend.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -270,10 +270,10 @@ class ModelRunner:
                 request_ids = [s.request_id for s, _, _ in inputs.sample_rows]
             else:
                 batch = self.sampling.batch(inputs.sample_rows, logits.shape[1])
-                tokens = self.sampler.sample_on_device(logits, batch.rows, self.sampling.history, batch.classes)
-                request_ids, counted = batch.request_ids, bool(batch.slots)
-                if counted:  # counted on the device, before the next step's penalties read them
-                    self._count_on_device(batch, tokens)
+                counted = bool(batch.slots)  # counted on the device, before the next step's penalties read them
+                tokens = self.sampler.sample_on_device(logits, batch.rows, self.sampling.history, batch.classes,
+                                                       count=counted)
+                request_ids = batch.request_ids
             self.pending = DeferredStep(out, request_ids, tokens, penalties_counted=counted)
             return self.pending
         if inputs.sample_rows:
@@ -283,16 +283,6 @@ class ModelRunner:
             counted = self._sample(logits, inputs.sample_rows, resolve_grammar(sched.grammar), out)
             self._record_sampled(out, count_penalties=not counted)
         return out
-
-    def _count_on_device(self, batch: SampledBatch, tokens: torch.Tensor) -> None:
-        """Count a deferred step's tokens [len(batch.rows)] (on the device) in the penalized
-        sequences' history slots (the index uploaded once while the batch is kept)."""
-        if batch.count_args is None:
-            rows = batch.classes.penalties
-            batch.count_args = tuple(self.upload([([batch.rows[row].penalty_slot for row in rows], torch.int64),
-                                                  (rows, torch.int64)]))
-        index, row_index = batch.count_args
-        self.sampling.history.count(index, tokens.index_select(0, row_index))
 
     def _record_sampled(self, out: ModelRunnerOutput, count_penalties: bool = True) -> None:
         """Keep each sequence's last token (for placeholders) and count penalized ones' tokens
@@ -324,12 +314,13 @@ class ModelRunner:
             allowed = grammar.for_sampler_rows([s.request_id for s, _, _ in sample_rows])
         try:
             batch = self.sampling.batch(sample_rows, logits.shape[1])
-            sampled = self.sampler(logits, batch.rows, allowed, self.sampling.history, batch.classes)
-            if batch.one_row_each and not batch.classes.logprobs:
+            # One row each, no logprobs: the penalized rows' tokens are counted on the device.
+            fast = batch.one_row_each and not batch.classes.logprobs
+            counted = fast and bool(batch.slots)
+            sampled = self.sampler(logits, batch.rows, allowed, self.sampling.history, batch.classes, counted)
+            if fast:
                 out.sampled_token_ids.update(zip(batch.request_ids, [[t] for t in sampled.token_ids]))
-                if batch.slots:
-                    self.sampling.record(batch, sampled.token_ids)
-                return bool(batch.slots)
+                return counted
             for s, first, count in _groups(sample_rows):
                 self._take_tokens(s, sampled, first, count, out)
             return False

@@ -11,9 +11,12 @@ sequence that asks for a penalty gets a slot, a row of two persistent tables::
 so a step costs O(new tokens) to update and one gather of the penalized rows. A slot is freed when
 its sequence finishes; the tables grow (doubling) when every slot is taken. A sequence's outputs
 are counted once from its list when it first samples here, then from the runner's own sampled
-tokens (``record``): output tokens are only ever appended (a preemption keeps them; rejected drafts
-never join; a sequence whose tokens the engine cuts short has ended), and the runner never reads a
-list the engine may be appending to meanwhile (async scheduling).
+tokens: on the device as they are sampled (``count``; the sampler's ``count=True``, which a greedy
+step with penalties does inside its one ``penalized_argmax`` kernel) where every sequence samples
+one row and none wants logprobs, else from the host (``record_all``). Output tokens are only ever
+appended (a preemption keeps them; rejected drafts never join; a sequence whose tokens the engine
+cuts short has ended), and the runner never reads a list the engine may be appending to meanwhile
+(async scheduling).
 """
 
 from __future__ import annotations
@@ -80,15 +83,10 @@ class PenaltyHistory:
                     pending_slots.extend([slot] * len(tokens))
                     pending_tokens.extend(tokens)
 
-    def record_rows(self, slots: list[int], tokens: list[int]) -> None:
-        """``record`` of one token per slot: ``tokens[i]`` sampled in ``slots[i]``."""
-        self._pending_slots.extend(slots)
-        self._pending_tokens.extend(tokens)
-
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count tokens [n] (int64, on the device) in slots [n] now, with no host round trip: a
+        """Count tokens [n] (int64, on the device) in slots [n] now, with no host round trip (a
         deferred step's tokens, which the next step's penalties must see before they reach the
-        host. The runner does not ``record`` them again."""
+        host). The runner does not ``record`` them again."""
         self.flush()
         self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 

@@ -113,12 +113,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  allowed_tokens: Optional[TokenBitmask] = None,
                  penalty_history: Optional[PenaltyHistory] = None,
-                 classes: Optional[RowClasses] = None) -> SamplerOutput:
+                 classes: Optional[RowClasses] = None, count: bool = False) -> SamplerOutput:
         """logits: [num_rows, vocab], any float dtype; all math runs in float32.
 
         ``allowed_tokens`` (structured outputs) masks the other tokens of its rows
         first, in place: like vLLM, logprobs then describe the masked distribution.
-        ``classes``: ``classify(rows)``, if the caller keeps it.
+        ``classes``: ``classify(rows)``, if the caller keeps it. ``count``: as
+        ``sample_on_device``'s; not with logprob rows (their logprobs, computed after the
+        count, could still fail).
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}.")
@@ -127,11 +129,13 @@ class Sampler:
         num_rows = len(rows)
         classes = classes or classify(rows)
         logprob_rows = classes.logprobs
+        if count and logprob_rows:
+            raise ValueError("count: only for a batch without logprob rows")
         raw_logprobs = None
         if logprob_rows:
             index = torch.tensor(logprob_rows, device=logits.device)
             raw_logprobs = logits[index].float().log_softmax(dim=-1)  # [num_logprob_rows, vocab]
-        token_ids = self.sample_on_device(logits, rows, penalty_history, classes)
+        token_ids = self.sample_on_device(logits, rows, penalty_history, classes, count)
 
         logprobs: list[Optional[PositionLogprobs]] = [None] * num_rows
         if raw_logprobs is not None:
@@ -144,10 +148,12 @@ class Sampler:
 
     def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow],
                          penalty_history: Optional[PenaltyHistory] = None,
-                         classes: Optional[RowClasses] = None) -> torch.Tensor:
+                         classes: Optional[RowClasses] = None, count: bool = False) -> torch.Tensor:
         """The rows' tokens [num_rows] int64, left on the logits' device (no logprobs, no
         grammar mask: ``__call__`` adds those). logits: [num_rows, vocab], not modified.
-        ``classes``: ``classify(rows)``, if the caller keeps it."""
+        ``classes``: ``classify(rows)``, if the caller keeps it. ``count``: also count each
+        penalized row's token in ``penalty_history`` on the device, as the last thing done
+        (rows one per sequence, each penalized row with its slot and no drafts before it)."""
         num_rows = len(rows)
         device = logits.device
         upload = self.upload or _direct_upload(device)
@@ -157,6 +163,11 @@ class Sampler:
         if not (min_tokens_rows or penalty_rows or bias_rows or random_rows):
             # Hot path: the argmax is the same in any dtype, so skip the float32 copy.
             return kernels.argmax_rows(logits)
+        if not (min_tokens_rows or bias_rows or random_rows):
+            # Greedy with penalties (each row's kept parameters): one kernel penalizes, picks and counts.
+            args = _penalty_args(rows, penalty_rows, penalty_history, upload, classes.uploads)
+            if args is not None:
+                return _penalized_argmax(logits, penalty_history, args, count)
 
         work = logits.to(torch.float32, copy=True)  # [num_rows, vocab]; the caller's logits stay intact
         # Each transform's parameters go up through ``upload`` (on CUDA one non-blocking copy
@@ -169,11 +180,17 @@ class Sampler:
             _apply_penalties(work, rows, penalty_rows, penalty_history, upload, classes.uploads)
 
         if len(random_rows) == num_rows:
-            return _sample_random(work, rows, upload)  # [num_rows]; filters our own copy in place
-        token_ids = kernels.argmax_rows(work)  # [num_rows]; random rows overwritten below
-        if random_rows:
-            index, = upload([(random_rows, torch.int64)])
-            token_ids[index] = _sample_random(work[index], [rows[i] for i in random_rows], upload)
+            token_ids = _sample_random(work, rows, upload)  # [num_rows]; filters our own copy in place
+        else:
+            token_ids = kernels.argmax_rows(work)  # [num_rows]; random rows overwritten below
+            if random_rows:
+                index, = upload([(random_rows, torch.int64)])
+                token_ids[index] = _sample_random(work[index], [rows[i] for i in random_rows], upload)
+        if count and penalty_rows:
+            args = classes.uploads.get("penalties")  # made by _apply_penalties, for these rows
+            if args is None:
+                raise ValueError("count: every penalized row needs a history slot and no drafts")
+            penalty_history.count(args[1], token_ids.index_select(0, args[0]))
         return token_ids
 
 
@@ -220,6 +237,37 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_indices: 
     logits.index_put_((index_t, tokens_t), values_t, accumulate=True)
 
 
+def _penalty_args(rows: list[SamplingRow], row_indices: list[int], history: Optional[PenaltyHistory],
+                  upload: Callable, kept: Optional[dict]) -> Optional[tuple[torch.Tensor, ...]]:
+    """The fused penalty kernels' row arguments, on the device: (rows, slots, repetition,
+    frequency, presence), each [len(row_indices)]; taken from ``kept`` (``RowClasses.uploads``)
+    if there, else uploaded and kept there. None where a row has no history slot or counts
+    drafts (those rows take ``_apply_penalties``' other paths)."""
+    args = kept.get("penalties") if kept is not None else None
+    if args is not None or history is None:
+        return args
+    penalized = [rows[i] for i in row_indices]
+    if any(row.penalty_slot is None or row.extra_history for row in penalized):
+        return None
+    f32 = torch.float32
+    args = tuple(upload([(row_indices, torch.int64), ([row.penalty_slot for row in penalized], torch.int64),
+                         ([row.params.repetition_penalty for row in penalized], f32),
+                         ([row.params.frequency_penalty for row in penalized], f32),
+                         ([row.params.presence_penalty for row in penalized], f32)]))
+    if kept is not None:
+        kept["penalties"] = args
+    return args
+
+
+def _penalized_argmax(logits: torch.Tensor, history: PenaltyHistory, args: tuple[torch.Tensor, ...],
+                      count: bool) -> torch.Tensor:
+    """Greedy tokens [num_rows] of logits [num_rows, vocab] (not modified) after the penalties of
+    the rows in ``args`` (``_penalty_args``), counted in ``history`` if ``count``."""
+    index, slots, repetition, frequency, presence = args
+    return kernels.penalized_argmax(logits, index, history.prompt_seen, history.output_counts, slots,
+                                    repetition, frequency, presence, count)
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices: list[int],
                      history: Optional[PenaltyHistory] = None, upload: Optional[Callable] = None,
                      kept: Optional[dict] = None) -> None:
@@ -230,18 +278,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_indices:
     otherwise from the token lists, O(tokens) Python work (the reference). ``kept``
     (``RowClasses.uploads`` of these rows): the fused pass's row parameters, uploaded once."""
     device = logits.device
-    args = kept.get("penalties") if kept is not None else None
-    if args is None and history is not None and all(rows[i].penalty_slot is not None for i in row_indices):
-        penalized = [rows[i] for i in row_indices]
-        if not any(row.extra_history for row in penalized):  # no draft rows: one pass per row
-            f32 = torch.float32
-            args = (upload or _direct_upload(device))([
-                (row_indices, torch.int64), ([row.penalty_slot for row in penalized], torch.int64),
-                ([row.params.repetition_penalty for row in penalized], f32),
-                ([row.params.frequency_penalty for row in penalized], f32),
-                ([row.params.presence_penalty for row in penalized], f32)])
-            if kept is not None:
-                kept["penalties"] = args
+    args = _penalty_args(rows, row_indices, history, upload or _direct_upload(device), kept)
     if args is not None:
         index, slots, repetition, frequency, presence = args
         kernels.apply_penalties(logits, index, history.prompt_seen, history.output_counts, slots,

@@ -11,7 +11,8 @@ since. That is exact because a sequence's parameters, RNG and history slot are f
 first step to its finish, and a slot is freed, or a request ID taken by another request, only
 after that finish reaches the runner (``finished_request_ids``, which clears the kept batch).
 What moves per step is refreshed: the output count of the rows with ``min_tokens``, and the
-tokens recorded in the penalty history since (flushed).
+tokens recorded in the penalty history since (flushed; a kept batch's own tokens are counted on
+the device as they are sampled, ``Sampler``'s ``count``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ class SampledBatch:
     slots: dict[str, int]  # request ID -> its penalty history slot, for the penalized requests
     classes: RowClasses
     one_row_each: bool  # no request has drafts: request_ids are distinct
-    count_args: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (slots, rows) for count_on_device
-    penalty_slots: Optional[list[int]] = None  # the slot of each row of classes.penalties, once made
 
 
 class SamplingRows:
@@ -93,14 +92,6 @@ class SamplingRows:
         batch = SampledBatch(request_ids, rows, slots, classify(rows), one_row_each)
         self._last = batch if one_row_each else None
         return batch
-
-    def record(self, batch: SampledBatch, token_ids: list[int]) -> None:
-        """Count the tokens [one per row] a one-row-each batch sampled, for its penalized rows."""
-        penalties = batch.classes.penalties
-        if batch.penalty_slots is None:
-            batch.penalty_slots = [batch.rows[i].penalty_slot for i in penalties]
-        tokens = token_ids if len(penalties) == len(token_ids) else [token_ids[i] for i in penalties]
-        self.history.record_rows(batch.penalty_slots, tokens)
 
     def penalty_slots(self, requests: list[ScheduledRequest], vocab_size: int) -> dict[str, int]:
         """Request ID -> its row in ``history``, for the requests with penalties, each with its

@@ -252,6 +252,14 @@ def apply_penalties(logits, rows, prompt_seen, output_counts, slots, repetition,
                                          frequency, presence)
 
 
+def penalized_argmax(logits, rows, prompt_seen, output_counts, slots, repetition, frequency, presence,
+                     count: bool) -> torch.Tensor:
+    """kernels.reference.penalized_argmax in one pass per row, the logits untouched (same tokens
+    and counts)."""
+    return torch.ops.tandem_cpu.penalized_argmax(logits, rows, prompt_seen, output_counts, slots, repetition,
+                                                 frequency, presence, count)
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """kernels.reference.int8_linear: x [M, K] float32 or bf16 @ (weight [N, K] int8 * scale [N])^T

@@ -114,6 +114,18 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch
     return reference.apply_penalties(logits, rows, prompt_seen, output_counts, slots, repetition, frequency, presence)
 
 
+def penalized_argmax(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch.Tensor,
+                     output_counts: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor,
+                     frequency: torch.Tensor, presence: torch.Tensor, count: bool) -> torch.Tensor:
+    """Greedy tokens [R] of logits [R, V] after the penalties, optionally counted in the tables
+    (reference.penalized_argmax has the contract). On CUDA the reference's tensor ops."""
+    if _cpu_fast(logits) and logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1:
+        return cpu.penalized_argmax(logits, rows, prompt_seen, output_counts, slots, repetition, frequency,
+                                    presence, count)
+    return reference.penalized_argmax(logits, rows, prompt_seen, output_counts, slots, repetition, frequency,
+                                      presence, count)
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if key.is_cuda:

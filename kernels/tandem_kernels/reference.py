@@ -133,6 +133,22 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch
     logits.index_copy_(0, rows, sub)
 
 
+def penalized_argmax(logits: torch.Tensor, rows: torch.Tensor, prompt_seen: torch.Tensor,
+                     output_counts: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor,
+                     frequency: torch.Tensor, presence: torch.Tensor, count: bool) -> torch.Tensor:
+    """logits [R, V] (any float dtype; not modified) -> [R] int64: each row's ``argmax_rows``
+    after ``apply_penalties`` (on a float32 copy; rows listed at most once). With ``count``, each
+    ``rows[j]``'s token is then added to ``output_counts[slots[j]]`` (a greedy step's tokens
+    counted in the sequences' histories)."""
+    work = logits.to(torch.float32, copy=True)  # [R, V]
+    apply_penalties(work, rows, prompt_seen, output_counts, slots, repetition, frequency, presence)
+    tokens = argmax_rows(work)  # [R]
+    if count:
+        chosen = tokens.index_select(0, rows)  # [n]
+        output_counts.index_put_((slots, chosen), torch.ones_like(chosen, dtype=torch.int32), accumulate=True)
+    return tokens
+
+
 # ---- quantized linears ------------------------------------------------------------
 
 ACTIVATION_BLOCK = 32  # w8a8: activations share one int8 scale per row and 32-wide block along K

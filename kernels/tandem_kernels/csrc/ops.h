@@ -39,6 +39,9 @@ Tensor w8a8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
 void apply_penalties(Tensor logits, const Tensor& rows, const Tensor& prompt_seen, const Tensor& output_counts,
                      const Tensor& slots, const Tensor& repetition, const Tensor& frequency,
                      const Tensor& presence);
+Tensor penalized_argmax(const Tensor& logits, const Tensor& rows, const Tensor& prompt_seen, Tensor output_counts,
+                        const Tensor& slots, const Tensor& repetition, const Tensor& frequency,
+                        const Tensor& presence, bool count);
 // int8_bf16.cpp
 bool int8_bf16_available();
 Tensor int8_pack_weight_bf16(const Tensor& weight);

@@ -32,6 +32,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
         "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
   m.def("apply_penalties(Tensor(a!) logits, Tensor rows, Tensor prompt_seen, Tensor output_counts, "
         "Tensor slots, Tensor repetition, Tensor frequency, Tensor presence) -> ()");
+  m.def("penalized_argmax(Tensor logits, Tensor rows, Tensor prompt_seen, Tensor(a!) output_counts, "
+        "Tensor slots, Tensor repetition, Tensor frequency, Tensor presence, bool count) -> Tensor");
   m.def("amx_available() -> bool", &amx_available);  // no tensors: one kernel for every key
   m.def("amx_pack_weight(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
@@ -54,6 +56,7 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
   m.impl("apply_penalties", &apply_penalties);
+  m.impl("penalized_argmax", &penalized_argmax);
   m.impl("int8_pack_weight_bf16", &int8_pack_weight_bf16);
   m.impl("int8_linear_packed", &int8_linear_packed);
   m.impl("w8a8_pack_weight", &w8a8_pack_weight);
