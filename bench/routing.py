@@ -108,7 +108,7 @@ def measure(policy: str, args, prompts: list[list[int]], work: Path) -> dict:
                 process.kill()
     hits = sum(t.get("tandem:prefix_cache_hits_total", 0) for t in totals)
     queries = sum(t.get("tandem:prefix_cache_queries_total", 0) for t in totals)
-    computed = queries - hits  # prompt_tokens_total counts whole prompts, cache hits included
+    computed = sum(t.get("tandem:prompt_tokens_computed_total", 0) for t in totals)
     per_backend = [int(t.get("tandem:request_success_total", 0)) for t in totals]
     return {"policy": policy, "hit_rate": hits / queries, "computed": computed, "seconds": seconds,
             "per_backend": per_backend}

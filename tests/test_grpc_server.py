@@ -438,6 +438,9 @@ def test_the_metrics_port_counts_whole_prompts_prefix_hits_included(backend):
 
     assert delta("tandem:prefix_cache_hits_total") >= len(prefix)
     assert delta("tandem:prompt_tokens_total") == sum(map(len, prompts))
+    # Tandem's own count of the prompt tokens the model ran: the cache hits left out.
+    assert delta("tandem:prompt_tokens_computed_total") == sum(map(len, prompts)) - delta("tandem:prefix_cache_hits_total")
+
 
 def test_cache_salt_isolates_prefixes_over_grpc(backend):
     prompt = list(range(200, 221))  # 5 full blocks of 4, and a token

@@ -139,7 +139,8 @@ def test_speculative_decoding_counters_appear_only_with_a_proposer():
 
     engine = SimpleNamespace(
         get_load=lambda: EngineLoad(num_requests_running=1, num_requests_waiting=0, kv_cache_usage=0.5),
-        num_prompt_tokens_total=10, num_generation_tokens_total=20, num_draft_tokens_total=8,
+        num_prompt_tokens_total=10, num_prompt_tokens_computed_total=7, num_generation_tokens_total=20,
+        num_draft_tokens_total=8,
         num_accepted_tokens_total=5, proposer=None,
         scheduler=SimpleNamespace(num_preemptions_total=0), iteration_tokens=TokenHistogram(),
         config=SimpleNamespace(block_size=4, enable_prefix_caching=True, kv_cache_dtype_name="float32"),

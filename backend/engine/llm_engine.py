@@ -77,6 +77,9 @@ class LLMEngine:
         # As vLLM's prompt_tokens_total: the whole prompt of each sequence, counted at its first token
         # (prefix-cache hits included; a preempted sequence's recompute is not counted again).
         self.num_prompt_tokens_total = 0
+        # Prompt tokens the model ran (prefix-cache hits excluded, recomputation after a preemption
+        # included): Tandem's own count, beside vLLM's.
+        self.num_prompt_tokens_computed_total = 0
         self.num_generation_tokens_total = 0
         # Tokens per step as vLLM counts them (for /metrics): the tokens generated in the step, plus
         # the whole prompt of each sequence whose first token it generated; steps with neither
@@ -337,6 +340,8 @@ class LLMEngine:
         ``stale``: preempted since the step was scheduled (only its sampled token counts)."""
         if request.draft_token_ids:
             request.draft_token_ids = []
+        if s.start_pos + len(s.token_ids) <= len(request.prompt_token_ids):  # a prompt chunk
+            self.num_prompt_tokens_computed_total += len(s.token_ids)
         if s.request_id in runner_out.prompt_logprobs:
             request.record_prompt_logprobs(*runner_out.prompt_logprobs[s.request_id])
         if not s.needs_sample:

@@ -85,7 +85,9 @@ inline __m128 scale_pair(const uint16_t* dm) {
   std::memcpy(&pair, dm, sizeof pair);
   return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));
 }
-inline __m128 scale_pair(const float* dm) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dm))); }
+inline __m128 scale_pair(const float* dm) {  // _mm_loadl_epi64 reads through a may-alias type
+  return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dm)));
+}
 #endif
 
 // One group's 32 weights as floats: lo = elements [0, 16), hi = [16, 32); dm its (d, m), fp16 bits
