@@ -8,37 +8,15 @@ import pytest
 import torch
 
 import backend.worker.sampler as sampler_module
-from backend.types.sampling_params import SamplingParams
 from backend.worker.logprobs import compute_prompt_logprobs
 from backend.worker.sampler import Sampler, SamplingRow, _apply_penalties, _apply_top_p
-
-VOCAB = 200
+from sampling_helpers import VOCAB, counts_of, make_row, random_logits
 
 
 @pytest.fixture(autouse=True)
 def fixed_global_rng():
     """Unseeded rows draw from the global RNG; fix it so a failure reproduces."""
     torch.manual_seed(1234)
-
-
-def make_row(
-    prompt: list[int] | None = None,
-    output: list[int] | None = None,
-    eos: int | None = None,
-    seed: int | None = None,
-    **params,
-) -> SamplingRow:
-    sampling_params = SamplingParams(seed=seed, **params)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(sampling_params, prompt or [1, 2, 3], output or [], eos, generator)
-
-
-def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
-    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
-
-
-def counts_of(tokens: list[int], vocab: int) -> torch.Tensor:
-    return torch.bincount(torch.tensor(tokens), minlength=vocab)
 
 
 # --- greedy -----------------------------------------------------------------
@@ -286,62 +264,6 @@ def test_penalty_history_gives_exactly_the_token_list_penalties_as_outputs_grow(
         _apply_penalties(actual, fast, list(range(len(rows))), history)
         assert torch.equal(actual, expected), step
     assert len(set(history.slot_of.values())) == len(sequences)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_random_row", [False, True])
-def test_penalized_steps_counted_on_the_device_match_the_token_lists(dtype, with_random_row):
-    """Steps sampled with ``count=True`` (greedy with penalties: the one fused kernel; with a random
-    row: penalties, sampling, then one count) give the tokens the token lists give, the logits
-    untouched, and leave each penalized sequence's outputs counted exactly once."""
-    import dataclasses
-    import random
-
-    from backend.worker.penalty_history import PenaltyHistory
-    from backend.worker.sampler import classify
-
-    vocab, rng = 48, random.Random(7)
-    history = PenaltyHistory(vocab, torch.device("cpu"))
-    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=-0.4),
-             dict(repetition_penalty=0.8, frequency_penalty=1.0, presence_penalty=1.5), dict()]
-    sequences = [(f"s{i}", rng.sample(range(vocab), 5), [rng.randrange(vocab)], kinds[i % 4]) for i in range(6)]
-    slots = history.update([(rid, prompt, output, len(output)) for rid, prompt, output, kind in sequences
-                            if kind])
-    slot_of = dict(zip([rid for rid, _, _, kind in sequences if kind], slots))
-    extra = dict(temperature=0.9, seed=3) if with_random_row else dict(temperature=0.0)
-    moved = 0
-    for step in range(8):
-        rows = [make_row(prompt=prompt, output=list(output), **kind, **(extra if i == 0 else dict(temperature=0.0)))
-                for i, (_, prompt, output, kind) in enumerate(sequences)]
-        fast = [dataclasses.replace(row, penalty_slot=slot_of.get(rid), generator=None if row.generator is None
-                                    else torch.Generator().manual_seed(100 + step))
-                for row, (rid, _, _, _) in zip(rows, sequences)]
-        if with_random_row:  # the same draw on both sides
-            rows[0].generator = torch.Generator().manual_seed(100 + step)
-        logits = (random_logits(len(rows), vocab=vocab, seed=step) * 2).to(dtype)
-        before = logits.clone()
-        expected = Sampler()(logits, rows).token_ids
-        actual = Sampler()(logits, fast, None, history, classify(fast), count=True).token_ids
-        assert actual == expected, step
-        assert torch.equal(logits, before)
-        moved += expected != Sampler()(logits, [make_row(temperature=0.0) for _ in rows]).token_ids
-        for (rid, _, output, kind), token in zip(sequences, actual):
-            output.append(token)
-            if kind:
-                assert torch.equal(history.output_counts[slot_of[rid]], counts_of(output, vocab).int()), (step, rid)
-    assert moved  # the penalties changed some step's tokens
-
-
-def test_count_is_refused_with_logprob_rows():
-    from backend.worker.penalty_history import PenaltyHistory
-
-    history = PenaltyHistory(VOCAB, torch.device("cpu"))
-    slot, = history.update([("a", [1], [], 0)])
-    row = make_row(temperature=0.0, repetition_penalty=1.2, logprobs=1)
-    row.penalty_slot = slot
-    with pytest.raises(ValueError, match="logprob"):
-        Sampler()(random_logits(1), [row], None, history, count=True)
-    assert not history.output_counts.any()
 
 
 def test_greedy_with_repetition_penalty_avoids_the_repeated_token():
