@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         last = request.messages[-1] if request.messages else {}
         run.echo_text = str(last.get("content") or "") if request.echo and last.get("role") == role else ""
         runs = [run]
-        details = self.context.enable_prompt_tokens_details if prompt_tokens_details is None else prompt_tokens_details
+        details = prompt_tokens_details  # None: as the server is set (resolved by _usage)
         if request.stream:
             return await self._stream(raw_request, runs, lambda first, events: self._chat_chunks(
                 request, base_id, runs, first, events, details))
@@ -88,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         return self._json(self._chat_response(request, base_id, runs, details))
 
     def _chat_response(self, request: P.ChatCompletionRequest, base_id: str,
-                       runs: list[EngineRun], details: bool) -> P.ChatCompletionResponse:
+                       runs: list[EngineRun], details: Optional[bool]) -> P.ChatCompletionResponse:
         (run,) = runs
         choices = []
         as_ids = request.return_tokens_as_token_ids
@@ -115,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_token_ids=run.prompt.token_ids if request.return_token_ids else None)
 
     async def _chat_chunks(self, request: P.ChatCompletionRequest, base_id: str, runs: list[EngineRun],
-                           first: Optional[Event], events: AsyncIterator[Event], details: bool) -> AsyncIterator[str]:
+                           first: Optional[Event], events: AsyncIterator[Event], details: Optional[bool]) -> AsyncIterator[str]:
         (run,) = runs
         created = int(time.time())
         as_ids = request.return_tokens_as_token_ids
