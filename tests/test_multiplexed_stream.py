@@ -74,12 +74,14 @@ def test_a_request_whose_end_came_sends_no_abort_when_its_reader_stops_at_its_la
     """The frontend stops reading a request at its last delta (before the status behind it): the
     backend has ended it, so no abort goes out; one stopped before its end is aborted."""
     async def run():
-        servicer, server, port = await _serve_stand_in(tokenizer_dir)
+        # A step of 20 ms and a cut request of 200 tokens: its end cannot reach the client before its
+        # reader stops (with no pause, all of it could already be buffered, and then no abort is due).
+        servicer, server, port = await _serve_stand_in(tokenizer_dir, step_ms=20)
         client = GrpcEngineClient(f"127.0.0.1:{port}")
         try:
-            async def until(request_id: str, stop_after: int) -> int:
+            async def until(request_id: str, stop_after: int, max_tokens: int = 4) -> int:
                 seen = 0
-                async for output in client.generate(request_id, [1, 2, 3], SamplingParams(max_tokens=4)):
+                async for output in client.generate(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens)):
                     seen += 1
                     if output.finish_reason is not None or seen == stop_after:
                         break
@@ -88,7 +90,7 @@ def test_a_request_whose_end_came_sends_no_abort_when_its_reader_stops_at_its_la
             whole = await asyncio.gather(*(until(f"whole-{i}", 0) for i in range(3)))
             await asyncio.sleep(0.2)  # any abort would have gone out by now
             aborts_after_whole = servicer.num_stream_aborts
-            cut = await until("cut", 2)
+            cut = await until("cut", 2, max_tokens=200)
             deadline = time.monotonic() + 10
             while servicer.num_stream_aborts == aborts_after_whole and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
