@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -210,7 +211,23 @@ class AsyncLLMEngine:
                 pass
 
     def shutdown(self) -> None:
-        if self._task is not None and not self._task.done() and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
+        """Cancel the step task and stop the engine. From a thread other than the task's running
+        loop, waits (up to 5 s) for the task to end, so a loop closed next leaves no task pending."""
+        task, loop = self._task, self._loop
+        if task is not None and not task.done() and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
+            if loop.is_running() and not _running_on(loop):
+                try:
+                    asyncio.run_coroutine_threadsafe(asyncio.wait([task]), loop).result(timeout=5)
+                except (concurrent.futures.TimeoutError, RuntimeError):
+                    pass  # the loop stopped or is stuck: nothing more to wait for
         self._thread.shutdown(wait=True)
         self.engine.shutdown()
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    """True when the calling thread is running ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
