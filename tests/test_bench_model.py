@@ -128,3 +128,38 @@ def test_llamacpp_wheel_serves_the_q8_gguf(bench_model, tmp_path):
     params = json.loads((tmp_path / "params.json").read_text())
     assert params["params"]["n_parallel"] == 1 and params["cpuparams"]["n_threads"] == 1
     assert sys.executable == argv[0]
+
+
+FAKE_QUANTIZE = """#!{python}
+import shutil, sys
+with open(sys.argv[0] + ".log", "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+if sys.argv[3] != "Q4_K_M":
+    sys.exit("unknown type")
+shutil.copyfile(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_k_quants_come_from_the_bf16_file_through_llama_quantize(bench_model, tmp_path):
+    """Q4_K_M: the BF16 file handed to llama-quantize (here a stand-in that copies it and logs its
+    arguments), its output written under a partial name and renamed once complete; a missing tool
+    is refused before anything is written, and a failing one leaves no file."""
+    tool = tmp_path / "llama-quantize"
+    tool.write_text(FAKE_QUANTIZE.format(python=sys.executable))
+    tool.chmod(0o755)
+    config = bench_model / "tiny.json"
+    common = ["--out", str(bench_model), "--config", str(config), "--seed", "3"]
+    with pytest.raises(SystemExit):
+        make_bench_model.main([*common, "--formats", "Q4_K_M", "--llama-quantize", str(tmp_path / "absent")])
+    assert not (bench_model / "bench-1b.Q4_K_M.gguf").exists()
+
+    make_bench_model.main([*common, "--formats", "Q4_K_M", "--llama-quantize", str(tool)])
+    bf16, q4k = bench_model / "bench-1b.BF16.gguf", bench_model / "bench-1b.Q4_K_M.gguf"
+    assert q4k.read_bytes() == bf16.read_bytes()
+    assert Path(f"{tool}.log").read_text().split() == [str(bf16), f"{q4k}.partial", "Q4_K_M"]
+
+    q4k.unlink()
+    tool.write_text(FAKE_QUANTIZE.format(python=sys.executable).replace('"Q4_K_M"', '"none"'))
+    with pytest.raises(RuntimeError, match="llama-quantize failed"):
+        make_bench_model.main([*common, "--formats", "Q4_K_M", "--llama-quantize", str(tool)])
+    assert not q4k.exists() and not Path(f"{q4k}.partial").exists()
