@@ -30,7 +30,7 @@ from backend.worker import cuda_graphs
 from backend.worker.block_tables import BlockTables
 from backend.worker.deferred_step import DeferredStep
 from backend.worker.draft_acceptance import accept_drafts
-from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
+from backend.worker.huge_pages import collapse_large_mappings, zeroed_tensor
 from backend.worker.pooler import Pooler
 from backend.worker.logprobs import compute_prompt_logprobs
 from backend.worker.sampler import Sampler
@@ -136,11 +136,11 @@ class ModelRunner:
             self.kv_caches.append(kv)
 
     def _zeroed_cache(self, shape) -> torch.Tensor:
-        """One layer's K or V cache, zeroed; on the CPU on 2 MB pages (see backend.worker.huge_pages)."""
-        cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        """One layer's K or V cache, zeroed; on the CPU zeroed by the kernel as its pages are first
+        written, on 2 MB pages (backend.worker.huge_pages.zeroed_tensor)."""
         if self.device.type == "cpu":
-            advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
-        return cache.zero_()
+            return zeroed_tensor(tuple(shape), self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _cuda_kv_budget(self) -> float:
         """Bytes left for the KV cache: gpu_memory_utilization of the device's memory, less
