@@ -82,10 +82,10 @@ class ModelRunner:
         weights = iter_weights(self.config.model_path)
         if self.config.quantization in CHECKPOINT_METHODS:  # AWQ / GPTQ layers packed, the rest loaded
             weights = attach_checkpoint_packs(model, weights, self.config.quantization, self.config.hf_config)
-        model.load_weights(weights)
-        if self.config.quantization == "gguf":  # the file's Q4 tensors, packed, beside the dequantized ones
+        if self.config.quantization == "gguf":  # the file's quantized layers packed, their weights left unread
             attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config,
                                   self.config.model_path)
+        model.load_weights(weights)
         method = linear_method_for(self.device, self.dtype, self.config.quantization)
         for module in model.modules():
             if isinstance(module, LinearBase):
