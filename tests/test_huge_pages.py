@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from backend.worker import huge_pages
 from backend.worker.huge_pages import large_anonymous_mappings
 
 
@@ -130,3 +131,27 @@ print(seen, still, mapped(address))
     assert seen == 1
     assert still_mapped_with_a_view == 1
     assert mapped_after == 0
+
+
+def test_collapsing_leaves_the_skipped_ranges_whole_huge_pages_alone(monkeypatch):
+    """An embedding table a step only gathers rows of is skipped: MADV_COLLAPSE is asked for every
+    whole 2 MB page of each large mapping except those inside a skipped range (a 2 MB page that
+    the range only partly covers holds other memory too, and is collapsed)."""
+    mb = 1 << 20
+    asked = []
+
+    def madvise(start, length, advice):
+        asked.append((start, start + length, advice))
+        return 0
+
+    monkeypatch.setattr(huge_pages, "huge_pages_enabled", lambda: True)
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    # Two mappings: [1 MB, 41 MB) holds a table at [5 MB, 21 MB) and [100 MB, 110 MB) none.
+    monkeypatch.setattr(huge_pages, "large_anonymous_mappings", lambda min_bytes: [(1 * mb, 41 * mb), (100 * mb, 110 * mb)])
+    collapsed = huge_pages.collapse_large_mappings(skip=[(5 * mb, 16 * mb)])
+    expected = [(2 * mb, 6 * mb), (20 * mb, 40 * mb), (100 * mb, 110 * mb)]  # table's whole pages: [6, 20) MB
+    assert asked == [(lo, hi, huge_pages.MADV_COLLAPSE) for lo, hi in expected]
+    assert collapsed == sum(hi - lo for lo, hi in expected)
+    asked.clear()
+    huge_pages.collapse_large_mappings(skip=[(0, 200 * mb)])  # everything skipped
+    assert asked == []

@@ -24,6 +24,7 @@ from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
 from backend.models.registry import get_model_class
+from backend.models.vocab_parallel import VocabParallelEmbedding
 from backend.types.config import EngineConfig
 from backend.types.sampling_params import SamplingParams
 from backend.worker import cuda_graphs
@@ -93,8 +94,16 @@ class ModelRunner:
                 method.process_weights_after_loading(module)
         self.model = model.eval().requires_grad_(False)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        if self.device.type == "cpu":
-            collapse_large_mappings()  # the weights a decode step streams, onto 2 MB pages
+        if self.device.type == "cpu":  # the weights a decode step streams, onto 2 MB pages
+            collapse_large_mappings(skip=self._gathered_only_tables())
+
+    def _gathered_only_tables(self) -> list[tuple[int, int]]:
+        """(start, nbytes) of each embedding table that no linear layer multiplies by (untied, or
+        its tied head runs a form of its own): a step reads only its tokens' rows."""
+        multiplied = {m.weight.data_ptr() for m in self.model.modules()
+                      if isinstance(m, LinearBase) and not getattr(m, "weight_released", False)}
+        return [(m.weight.data_ptr(), m.weight.nbytes) for m in self.model.modules()
+                if isinstance(m, VocabParallelEmbedding) and m.weight.data_ptr() not in multiplied]
 
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]

@@ -1,11 +1,14 @@
-"""The CPU KV cache: every layer's K and V zeroed by the kernel on first touch (backend.worker.
-huge_pages.zeroed_tensor), one mapping each, sized by the KV budget as before."""
+"""A CPU engine's start-up memory: the KV cache, every layer's K and V zeroed by the kernel on first
+touch (backend.worker.huge_pages.zeroed_tensor), one mapping each, sized by the KV budget as before;
+and the embedding tables left out of the huge-page collapse where no linear layer multiplies by them."""
 
 from __future__ import annotations
 
 import torch
 from test_correctness import make_engine, random_prompts, run_engine
 
+import backend.worker.model_runner as model_runner
+from backend.models.linear_methods import LinearMethod
 from backend.types.sampling_params import SamplingParams
 
 
@@ -51,3 +54,16 @@ def test_an_engine_writes_and_reads_back_its_lazily_zeroed_cache(tiny_checkpoint
     runner = engine.executor.worker.runner
     assert any(int(torch.count_nonzero(k)) > 0 for k, _ in runner.kv_caches)  # writable, and written
     assert [run_engine(engine, [p], greedy)[0] for p in prompts] == batched
+
+
+def test_a_tied_embedding_is_skipped_by_the_collapse_only_when_its_head_runs_a_form_of_its_own(
+        tiny_checkpoint, monkeypatch):
+    model_dir = tiny_checkpoint("qwen2")  # tied word embeddings
+    runner = make_engine(model_dir).executor.worker.runner
+    table = runner.model.model.embed_tokens.weight
+    assert runner.model.lm_head.weight is table
+    if torch.backends.mkldnn.is_available():  # the fp32 head runs oneDNN's reordered copy:
+        assert runner._gathered_only_tables() == [(table.data_ptr(), table.nbytes)]  # the table is only gathered
+    monkeypatch.setattr(model_runner, "linear_method_for", lambda *args: LinearMethod())  # multiplies by .weight
+    runner = make_engine(model_dir).executor.worker.runner
+    assert runner._gathered_only_tables() == []
