@@ -108,8 +108,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     e.g. ``q_proj`` into shard 0 of ``qkv_proj``. A module's ``weight_loader(param, tensor,
     shard_id)`` picks its rank's slice; modules without one take the tensor whole. Tensors under
     a ``PPMissingLayer`` (another stage's) are skipped unread, and so is the weight of a layer
-    marked ``weight_is_packed`` (held packed instead: gguf_packed.py, int4_checkpoints.py). Every parameter (every shard of a
-    fused one, see ``shard_ids``) must be loaded, or a ValueError names the missing ones.
+    marked ``weight_is_packed`` (held packed instead: gguf_packed.py, int4_checkpoints.py). Every
+    parameter (every shard of a fused one, see ``shard_ids``) must be loaded, or a ValueError names
+    the missing ones.
     """
     params = dict(model.named_parameters())
     elsewhere = tuple(name + "." for name, module in model.named_modules()
