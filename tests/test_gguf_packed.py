@@ -10,7 +10,8 @@ from test_loader import TINY_VOCAB, write_tiny_llama_gguf
 
 import tandem_kernels.cpu
 from backend.engine.llm_engine import LLMEngine
-from backend.models.gguf_packed import unpermute_rows
+from backend.models.gguf_packed import pack_replaces_weight, unpermute_rows
+from backend.models.linear import ReplicatedLinear
 from backend.models.loader import iter_weights
 from backend.types.config import EngineConfig
 from backend.types.errors import InvalidRequestError
@@ -74,6 +75,46 @@ def test_packed_gguf_generates_the_dequantized_models_greedy_tokens(q4_gguf):
     bf16 = gguf_engine(q4_gguf, quantization="gguf")  # bf16 activations by default where the CPU has them
     batched = run_engine(bf16, prompts, params)
     assert batched == [run_engine(bf16, [p], params)[0] for p in prompts]
+
+
+def test_the_packed_layers_dequantized_weights_are_never_loaded(q4_gguf, monkeypatch):
+    """A packed layer runs from its pack alone: its converted fp32 tensors are skipped unread (here
+    each is swapped for an empty tensor, which any copy would refuse), the others load as before."""
+    import backend.worker.model_runner as model_runner
+
+    unpacked = "model.layers.1.mlp.down_proj.weight"  # fp32 in the file
+    packed_parts = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+    swapped = []
+
+    def emptied(model_path):
+        for name, tensor in iter_weights(model_path):
+            if name != unpacked and any(f"{part}.weight" in name for part in packed_parts):
+                swapped.append(name)
+                tensor = torch.empty(0)
+            yield name, tensor
+
+    prompts = random_prompts([3, 17], TINY_VOCAB)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    dequantized = run_engine(gguf_engine(q4_gguf, dtype="float32"), prompts, params)
+    monkeypatch.setattr(model_runner, "iter_weights", emptied)
+    engine = gguf_engine(q4_gguf, quantization="gguf", dtype="float32")
+    assert len(swapped) == 2 * 7 - 1 + 1  # 2 layers' q, k, v, o, gate, up, down but one, and the head
+    modules = dict(engine.executor.worker.runner.model.named_modules())
+    assert modules["model.layers.0.mlp.gate_up_proj"].weight_is_packed
+    assert not getattr(modules["model.layers.1.mlp.down_proj"], "weight_is_packed", False)
+    assert run_engine(engine, prompts, params) == dequantized
+
+
+def test_a_pack_replaces_the_weight_unless_shared_or_int8g_off_the_cpu():
+    """What ``GgufLinearMethod`` runs without the loaded weight, so the load may skip it."""
+    cpu = ReplicatedLinear(64, 48, bias=False)
+    with torch.device("meta"):  # any device but the CPU: int8g has no kernel there
+        elsewhere = ReplicatedLinear(64, 48, bias=False)
+    assert all(pack_replaces_weight(cpu, layout) for layout in ("int4", "int4f", "int8g"))
+    assert pack_replaces_weight(elsewhere, "int4") and pack_replaces_weight(elsewhere, "int4f")
+    assert not pack_replaces_weight(elsewhere, "int8g")
+    cpu.weight_is_shared = True  # a tied LM head: the embedding's weight
+    assert not pack_replaces_weight(cpu, "int4")
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_checkpoint):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from backend.worker import huge_pages
 from backend.worker.huge_pages import large_anonymous_mappings
 
 
@@ -68,3 +69,89 @@ print(int(huge_pages_enabled()), int(advised), anon_huge_bytes() - before)
     assert advised == enabled
     if enabled:
         assert grown >= 16 << 20
+
+
+def test_a_zeroed_tensor_reads_zeros_is_writable_and_costs_no_memory_until_written():
+    """The KV cache's allocation: zeros without writing them (a 256 MB cache adds almost nothing
+    resident), on 2 MB pages once written, one copy (the tensor is the mapping)."""
+    script = """
+import torch
+from backend.worker.huge_pages import huge_pages_enabled, zeroed_tensor
+from test_huge_pages import anon_huge_bytes
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+before = resident()
+cache = zeroed_tensor((64, 1024, 1024), torch.float32)  # 256 MB
+allocated = resident() - before
+assert cache.shape == (64, 1024, 1024) and cache.dtype == torch.float32 and cache.is_contiguous()
+huge_before = anon_huge_bytes()
+cache[:8].fill_(3.0)  # 32 MB written
+written = anon_huge_bytes() - huge_before
+zeros = int(torch.count_nonzero(cache[8:]).item() == 0)  # read: maps the shared zero page
+threes = int(bool((cache[:8] == 3.0).all()))
+print(int(huge_pages_enabled()), allocated, written, zeros, threes, cache.data_ptr() % (2 << 20))
+"""
+    enabled, allocated, written, zeros, threes, misalignment = run_fresh(script)
+    assert zeros and threes
+    assert allocated < 16 << 20  # nothing written: nothing resident (a zeroed copy would be 256 MB)
+    assert misalignment == 0
+    if enabled:
+        assert written >= 16 << 20
+
+
+def test_a_zeroed_tensor_is_its_mapping_and_frees_it_with_its_last_view():
+    """No second copy: a write through one view is seen through another, and the mapping goes
+    when the last tensor over it does."""
+    script = """
+import gc
+import torch
+from backend.worker.huge_pages import zeroed_tensor
+
+def mapped(address):
+    with open("/proc/self/maps") as f:
+        spans = [line.split()[0].split("-") for line in f]
+    return int(any(int(lo, 16) <= address < int(hi, 16) for lo, hi in spans))
+
+cache = zeroed_tensor((4, 1 << 20), torch.bfloat16)
+row = cache[2]
+cache[2, 5] = 7.0
+seen = int(row[5].item() == 7.0 and cache.untyped_storage().data_ptr() == row.untyped_storage().data_ptr())
+address = cache.data_ptr()
+del cache
+gc.collect()
+still = mapped(address)
+del row
+gc.collect()
+print(seen, still, mapped(address))
+"""
+    seen, still_mapped_with_a_view, mapped_after = run_fresh(script)
+    assert seen == 1
+    assert still_mapped_with_a_view == 1
+    assert mapped_after == 0
+
+
+def test_collapsing_leaves_the_skipped_ranges_whole_huge_pages_alone(monkeypatch):
+    """An embedding table a step only gathers rows of is skipped: MADV_COLLAPSE is asked for every
+    whole 2 MB page of each large mapping except those inside a skipped range (a 2 MB page that
+    the range only partly covers holds other memory too, and is collapsed)."""
+    mb = 1 << 20
+    asked = []
+
+    def madvise(start, length, advice):
+        asked.append((start, start + length, advice))
+        return 0
+
+    monkeypatch.setattr(huge_pages, "huge_pages_enabled", lambda: True)
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    # Two mappings: [1 MB, 41 MB) holds a table at [5 MB, 21 MB) and [100 MB, 110 MB) none.
+    monkeypatch.setattr(huge_pages, "large_anonymous_mappings", lambda min_bytes: [(1 * mb, 41 * mb), (100 * mb, 110 * mb)])
+    collapsed = huge_pages.collapse_large_mappings(skip=[(5 * mb, 16 * mb)])
+    expected = [(2 * mb, 6 * mb), (20 * mb, 40 * mb), (100 * mb, 110 * mb)]  # table's whole pages: [6, 20) MB
+    assert asked == [(lo, hi, huge_pages.MADV_COLLAPSE) for lo, hi in expected]
+    assert collapsed == sum(hi - lo for lo, hi in expected)
+    asked.clear()
+    huge_pages.collapse_large_mappings(skip=[(0, 200 * mb)])  # everything skipped
+    assert asked == []

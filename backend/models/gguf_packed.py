@@ -7,12 +7,14 @@ per part. A quantized type outside the six is refused, naming it and its tensor.
 once and saved beside the converted checkpoint (``PACK_CACHE``); later loads map that file.
 
 The file is still converted once into a Hugging Face directory (backend/models/conversion.py:
-config, tokenizer, chat template, and every tensor dequantized); the model loads that as usual,
-then ``attach_packed_weights`` reads the file's quantized tensors and hands each linear layer whose
+config, tokenizer, chat template, and every tensor dequantized). Before the model loads it,
+``attach_packed_weights`` reads the file's quantized tensors and hands each linear layer whose
 every source tensor is packed its packed form (``layer.gguf_int4`` or ``layer.gguf_int8g``), which
-``GgufLinearMethod`` (linear_methods.py) keeps in place of the dequantized weight. Other layers
-(F32/F16/BF16 tensors, the embedding) run their dequantized weight in the serving dtype, as
-without ``quantization="gguf"``.
+``GgufLinearMethod`` (linear_methods.py) keeps in place of the dequantized weight; where the pack
+alone serves the layer its weight is marked ``weight_is_packed``, so the load skips its dequantized
+tensor unread (for a 1B model, 4 GB of fp32 never paged in, copied or freed). Other layers
+(F32/F16/BF16 tensors, the embedding) load and run their dequantized weight in the serving dtype,
+as without ``quantization="gguf"``.
 
 llama.cpp stores attn_q and attn_k with their rows in a rotary-interleaved order; transformers puts
 them back when converting, and so does this file (rows only: each row's groups are untouched).
@@ -119,10 +121,18 @@ def cached_packs(gguf_file: Path, hf_config, cache_dir: Optional[Path]) -> dict[
     return packs
 
 
+def pack_replaces_weight(layer: LinearBase, layout: str) -> bool:
+    """Whether ``GgufLinearMethod`` runs ``layer`` from its ``layout`` pack alone, so its dequantized
+    weight need not be loaded: not where the weight is shared (a tied LM head keeps the embedding's)
+    nor for an int8g pack off the CPU (no GPU kernel: the method runs the loaded weight instead)."""
+    return not getattr(layer, "weight_is_shared", False) and (layout != "int8g" or layer.weight.device.type == "cpu")
+
+
 def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_dir: Optional[Path] = None) -> int:
     """Set ``layer.gguf_int4`` / ``gguf_int4f`` / ``gguf_int8g`` = (codes, scales) on each
-    linear layer of ``model`` whose GGUF tensors are all of PACKED_TYPES; returns how many layers
-    got one."""
+    linear layer of ``model`` whose GGUF tensors are all of PACKED_TYPES, and mark its weight
+    ``weight_is_packed`` where the pack replaces it (``pack_replaces_weight``); call it before
+    ``model.load_weights``, which then skips those weights. Returns how many layers got a pack."""
     check_gguf_model_type(hf_config)
     modules = dict(model.named_modules())
     packed = 0
@@ -135,6 +145,8 @@ def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_di
             raise ValueError(f"{gguf_file.name}: the packed {name} holds {codes.shape[0]} x {width} weights; "
                              f"the layer's weight is {tuple(module.weight.shape)}")
         setattr(module, f"gguf_{layout}", (codes, scales))
+        if pack_replaces_weight(module, layout):
+            module.weight_is_packed = True
         packed += 1
     logger.info("quantization='gguf': %d linear layers keep their quantized tensors packed", packed)
     return packed

@@ -107,8 +107,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     ``rename`` maps a checkpoint name to a parameter name (None: skip it); ``stacked`` routes
     e.g. ``q_proj`` into shard 0 of ``qkv_proj``. A module's ``weight_loader(param, tensor,
     shard_id)`` picks its rank's slice; modules without one take the tensor whole. Tensors under
-    a ``PPMissingLayer`` (another stage's) are skipped unread. Every parameter (every shard of a
-    fused one, see ``shard_ids``) must be loaded, or a ValueError names the missing ones.
+    a ``PPMissingLayer`` (another stage's) are skipped unread, and so is the weight of a layer
+    marked ``weight_is_packed`` (held packed instead: gguf_packed.py, int4_checkpoints.py). Every
+    parameter (every shard of a fused one, see ``shard_ids``) must be loaded, or a ValueError names
+    the missing ones.
     """
     params = dict(model.named_parameters())
     elsewhere = tuple(name + "." for name, module in model.named_modules()
@@ -128,6 +130,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             raise ValueError(f"Checkpoint tensor {ckpt_name!r} matches no parameter of "
                              f"{type(model).__name__}.")
         module = model.get_submodule(name.rsplit(".", 1)[0])
+        if name.endswith(".weight") and getattr(module, "weight_is_packed", False):
+            continue  # served from its packed form: never read, so never resident
         loader = getattr(module, "weight_loader", None)
         try:
             if loader is not None:

@@ -279,7 +279,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def release_weight(layer: LinearBase) -> None:
-    """Free the loaded weight once the method holds its own form (a tied weight stays)."""
+    """Free the loaded weight once the method holds its own form (a tied weight stays, for its
+    other owner); either way the layer's matmul no longer reads it (``weight_released``)."""
+    layer.weight_released = True
     if not getattr(layer, "weight_is_shared", False):
         layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
 

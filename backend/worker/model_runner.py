@@ -24,13 +24,14 @@ from backend.models.linear import LinearBase
 from backend.models.linear_methods import linear_method_for
 from backend.models.loader import iter_weights
 from backend.models.registry import get_model_class
+from backend.models.vocab_parallel import VocabParallelEmbedding
 from backend.types.config import EngineConfig
 from backend.types.sampling_params import SamplingParams
 from backend.worker import cuda_graphs
 from backend.worker.block_tables import BlockTables
 from backend.worker.deferred_step import DeferredStep
 from backend.worker.draft_acceptance import accept_drafts
-from backend.worker.huge_pages import advise_huge_pages, collapse_large_mappings
+from backend.worker.huge_pages import collapse_large_mappings, zeroed_tensor
 from backend.worker.pooler import Pooler
 from backend.worker.logprobs import compute_prompt_logprobs
 from backend.worker.sampler import Sampler
@@ -82,10 +83,10 @@ class ModelRunner:
         weights = iter_weights(self.config.model_path)
         if self.config.quantization in CHECKPOINT_METHODS:  # AWQ / GPTQ layers packed, the rest loaded
             weights = attach_checkpoint_packs(model, weights, self.config.quantization, self.config.hf_config)
-        model.load_weights(weights)
-        if self.config.quantization == "gguf":  # the file's Q4 tensors, packed, beside the dequantized ones
+        if self.config.quantization == "gguf":  # the file's quantized layers packed, their weights left unread
             attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config,
                                   self.config.model_path)
+        model.load_weights(weights)
         method = linear_method_for(self.device, self.dtype, self.config.quantization)
         for module in model.modules():
             if isinstance(module, LinearBase):
@@ -93,8 +94,16 @@ class ModelRunner:
                 method.process_weights_after_loading(module)
         self.model = model.eval().requires_grad_(False)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        if self.device.type == "cpu":
-            collapse_large_mappings()  # the weights a decode step streams, onto 2 MB pages
+        if self.device.type == "cpu":  # the weights a decode step streams, onto 2 MB pages
+            collapse_large_mappings(skip=self._gathered_only_tables())
+
+    def _gathered_only_tables(self) -> list[tuple[int, int]]:
+        """(start, nbytes) of each embedding table that no linear layer multiplies by (untied, or
+        its tied head runs a form of its own): a step reads only its tokens' rows."""
+        multiplied = {m.weight.data_ptr() for m in self.model.modules()
+                      if isinstance(m, LinearBase) and not getattr(m, "weight_released", False)}
+        return [(m.weight.data_ptr(), m.weight.nbytes) for m in self.model.modules()
+                if isinstance(m, VocabParallelEmbedding) and m.weight.data_ptr() not in multiplied]
 
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
@@ -136,11 +145,11 @@ class ModelRunner:
             self.kv_caches.append(kv)
 
     def _zeroed_cache(self, shape) -> torch.Tensor:
-        """One layer's K or V cache, zeroed; on the CPU on 2 MB pages (see backend.worker.huge_pages)."""
-        cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        """One layer's K or V cache, zeroed; on the CPU zeroed by the kernel as its pages are first
+        written, on 2 MB pages (backend.worker.huge_pages.zeroed_tensor)."""
         if self.device.type == "cpu":
-            advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
-        return cache.zero_()
+            return zeroed_tensor(tuple(shape), self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _cuda_kv_budget(self) -> float:
         """Bytes left for the KV cache: gpu_memory_utilization of the device's memory, less
