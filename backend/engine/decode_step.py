@@ -57,7 +57,10 @@ def apply_decode_tokens(scheduled: list[ScheduledRequest], start: int, requests:
                 or (epochs and epochs.get(request_id, request.num_preemptions) != request.num_preemptions)):
             return i, None, None
         try:
-            token_id = sampled[request_id][0]
+            new_tokens = sampled[request_id]  # the runner's list, shared: no one changes an output's lists
+            token_id = new_tokens[0]
+            if len(new_tokens) != 1:
+                new_tokens = [token_id]
             output_ids.append(token_id)
             known = request.all_token_ids
             known.append(token_id)
@@ -85,7 +88,7 @@ def apply_decode_tokens(scheduled: list[ScheduledRequest], start: int, requests:
                 if new_logprobs is not None:
                     new_logprobs = new_logprobs[:1]
             cached = request.num_cached_tokens
-            append_output(EngineOutput(request.parent_id, request.index, [token_id], new_logprobs, reason,
+            append_output(EngineOutput(request.parent_id, request.index, new_tokens, new_logprobs, reason,
                                        request.stop_reason, len(request.prompt_token_ids),
                                        cached if cached > 0 else 0))
         except Exception as error:  # noqa: BLE001 -- this sequence's alone: the caller fails it
