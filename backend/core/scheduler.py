@@ -159,11 +159,12 @@ class Scheduler:
 
     def _schedule_decodes(self, i: int, budget: int, scheduled: list[ScheduledRequest]) -> tuple[int, int]:
         """Schedule ``running[i:]`` in order while each is the common case, one decode token (no
-        drafts, not at its length limit) in a block it holds: ``_make_scheduled`` for one token at
-        its end, in one loop over the batch, without allocating. Returns (the index of the first
-        request that needs the general rule, or the end; the budget left)."""
+        drafts, not at its length limit) that fits in the blocks it holds or one more free block:
+        ``_make_scheduled`` for one token at its end, in one loop over the batch. Returns (the
+        index of the first request that needs the general rule (a preemption among others), or
+        the end; the budget left)."""
         running, block_size = self.running, self.block_manager.block_size
-        req_blocks_get = self.block_manager.req_blocks.get
+        req_blocks_get, allocate_slots = self.block_manager.req_blocks.get, self.block_manager.allocate_slots
         append = scheduled.append
         first, end = i, min(len(running), i + budget)  # one token each
         while i < end:
@@ -176,8 +177,10 @@ class Scheduler:
             if placeholders and self._at_length_limit(request):
                 break
             held = req_blocks_get(request.request_id)
-            if held is None or start >= len(held) * block_size:
-                break  # it needs a block
+            if held is None:
+                break
+            if start >= len(held) * block_size and not allocate_slots(request, 1):
+                break  # no free block: the general rule preempts
             output_ids = request.output_token_ids
             append(ScheduledRequest(
                 request.request_id, [known[start]] if start < num_known else [PLACEHOLDER_TOKEN_ID],
