@@ -62,7 +62,7 @@ import torch  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.types.config import EngineConfig  # noqa: E402
 from backend.types.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
-from backend.types.startup_heap import freeze_startup_heap  # noqa: E402
+from backend.types.startup_heap import tune_gc_for_serving  # noqa: E402
 from backend.worker.deferred_step import DeferredStep  # noqa: E402
 
 HIDDEN = 64
@@ -322,8 +322,8 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
                         help=f"stop timing a D after this long, once {MIN_STEPS} steps are timed")
     parser.add_argument("--checkpoint", type=Path, help="reuse this tiny checkpoint (default: a fresh one)")
     parser.add_argument("--gc-default", action="store_true",
-                        help="leave the start-up heap to the collector (the server freezes it; a full "
-                             "collection then walks every start-up object, a pause of 100+ ms)")
+                        help="CPython's collector settings (the server freezes the start-up heap, which a "
+                             "full collection then walks, a pause of 100+ ms, and makes young collections rare)")
     parser.add_argument("--json", type=Path, help="also write every point (and each step's time) here")
     args = parser.parse_args(argv)
     if not all(v in VARIANTS[:2] for v in args.variants):
@@ -352,7 +352,7 @@ def main(argv: Optional[list[str]] = None) -> list[Point]:
         for scheduling in args.scheduling:
             engine = build_engine(checkpoint, max_batch, max_context, max_decode, scheduling == "async")
             if not args.gc_default:
-                freeze_startup_heap()  # as the backend server does once its engine is up
+                tune_gc_for_serving()  # as the backend server does once its engine is up
             try:
                 runner = engine.executor.worker.runner
                 device = SimulatedDevice(runner, engine.config.max_num_batched_tokens)

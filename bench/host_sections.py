@@ -45,7 +45,7 @@ def _timed(function: Callable, samples: list[float]) -> Callable:
 def measure(checkpoint: Path, batch: int, context: int, variant: str, steps: int) -> dict[str, list[float]]:
     """Each part's CPU seconds in each of ``steps`` decode steps of ``batch`` x ``context``."""
     engine = H.build_engine(checkpoint, batch, context, steps + 16)
-    H.freeze_startup_heap()
+    H.tune_gc_for_serving()  # as the backend server does once its engine is up
     try:
         runner = engine.executor.worker.runner
         H.SimulatedDevice(runner, engine.config.max_num_batched_tokens)  # D = 0: patched onto the runner

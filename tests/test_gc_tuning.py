@@ -1,4 +1,5 @@
-"""frontend.gc_tuning: the heap alive at start-up is frozen, and young collections are rarer."""
+"""tune_gc_for_serving (backend.types.startup_heap, re-exported by frontend.gc_tuning): the heap alive
+at start-up is frozen, and young collections are rarer."""
 
 from __future__ import annotations
 

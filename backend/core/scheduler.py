@@ -73,8 +73,11 @@ class Scheduler:
         num_preempted = 0
 
         i = 0
-        running, req_blocks, block_size = self.running, self.block_manager.req_blocks, self.block_manager.block_size
+        running = self.running
         while i < len(running) and budget > 0:
+            i, budget = self._schedule_decodes(i, budget, scheduled)
+            if i == len(running) or not budget:
+                break
             request = running[i]
             known, placeholders = request.all_token_ids, request.num_placeholders
             start = request.num_computed_tokens + request.num_inflight_tokens
@@ -82,14 +85,6 @@ class Scheduler:
             if left <= 0 or (placeholders and self._at_length_limit(request)):
                 i += 1  # everything is in flight, or its last token is
                 continue
-            if left == 1 and not request.draft_token_ids:
-                # The common case, one decode token: often its last block has room (no allocation).
-                held = req_blocks.get(request.request_id)
-                if held is not None and start < len(held) * block_size:
-                    scheduled.append(self._make_decode(request, start, held))
-                    budget -= 1
-                    i += 1
-                    continue
             num_new = min(left, budget)
             if request.draft_token_ids:
                 if num_new == left:
@@ -162,22 +157,39 @@ class Scheduler:
             return True
         return request.num_tokens + request.num_placeholders >= self.max_model_len
 
-    @staticmethod
-    def _make_decode(request: Request, start: int, held: list[int]) -> ScheduledRequest:
-        """``_make_scheduled`` for one token at ``start``, the sequence's last (so it samples),
-        no drafts, in a block it holds (``held``: its block table)."""
-        placeholders = request.num_placeholders
-        known = request.all_token_ids
-        scheduled = ScheduledRequest(
-            request.request_id,
-            [known[start]] if start < len(known) else [PLACEHOLDER_TOKEN_ID],
-            start, held, True, request.sampling_params, request.prompt_token_ids,
-            request.output_token_ids, request.eos_token_id, 0,
-            len(request.output_token_ids) + placeholders,
-        )
-        request.num_inflight_tokens += 1
-        request.num_placeholders = placeholders + 1
-        return scheduled
+    def _schedule_decodes(self, i: int, budget: int, scheduled: list[ScheduledRequest]) -> tuple[int, int]:
+        """Schedule ``running[i:]`` in order while each is the common case, one decode token (no
+        drafts, not at its length limit) that fits in the blocks it holds or one more free block:
+        ``_make_scheduled`` for one token at its end, in one loop over the batch. Returns (the
+        index of the first request that needs the general rule (a preemption among others), or
+        the end; the budget left)."""
+        running, block_size = self.running, self.block_manager.block_size
+        req_blocks_get, allocate_slots = self.block_manager.req_blocks.get, self.block_manager.allocate_slots
+        append = scheduled.append
+        first, end = i, min(len(running), i + budget)  # one token each
+        while i < end:
+            request = running[i]
+            known, placeholders = request.all_token_ids, request.num_placeholders
+            start = request.num_computed_tokens + request.num_inflight_tokens
+            num_known = len(known)
+            if num_known + placeholders - start != 1 or request.draft_token_ids:
+                break
+            if placeholders and self._at_length_limit(request):
+                break
+            held = req_blocks_get(request.request_id)
+            if held is None:
+                break
+            if start >= len(held) * block_size and not allocate_slots(request, 1):
+                break  # no free block: the general rule preempts
+            output_ids = request.output_token_ids
+            append(ScheduledRequest(
+                request.request_id, [known[start]] if start < num_known else [PLACEHOLDER_TOKEN_ID],
+                start, held, True, request.sampling_params, request.prompt_token_ids, output_ids,
+                request.eos_token_id, 0, len(output_ids) + placeholders))
+            request.num_inflight_tokens += 1
+            request.num_placeholders = placeholders + 1
+            i += 1
+        return i, budget - (i - first)
 
     def _make_scheduled(self, request: Request, num_new: int, block_ids: Optional[list[int]] = None
                         ) -> ScheduledRequest:

@@ -21,7 +21,7 @@ from backend.core.request import Request
 from backend.core.scheduler import Scheduler
 from backend.core.spec_decode import NgramProposer, propose_drafts
 from backend.core.structured_output.manager import GrammarViolation, StructuredOutputManager
-from backend.engine.decode_step import apply_decode_token
+from backend.engine.decode_step import apply_decode_tokens
 from backend.engine.inflight import InFlightStep
 from backend.engine.request_checks import eos_token_ids, validate_request
 from backend.engine.sampled_tokens import apply_sampled_tokens
@@ -287,12 +287,32 @@ class LLMEngine:
         finished_rounds: list[BeamSearch] = []
         now = time.monotonic()
         requests, epochs = self.scheduler.requests, step.epochs
-        # The decode fast path (apply_decode_token) serves sequences that need nothing but their token.
+        # The decode fast path (apply_decode_tokens) serves sequences that need nothing but their token.
         plain = not (constrained or self.beams or runner_out.prompt_logprobs or runner_out.pooled)
         num_decoded, generated_before, self._first_token_prompts = 0, self.num_generation_tokens_total, 0
         sampled, logprobs = runner_out.sampled_token_ids, runner_out.logprobs
         eos_token_ids, max_model_len, block_manager = self.eos_token_ids, self.config.max_model_len, self.block_manager
-        for s in step.sched.scheduled:
+        scheduled, i = step.sched.scheduled, 0
+        while i < len(scheduled):
+            if plain:  # a run of plain decodes, in one loop (backend/engine/decode_step.py)
+                j, ended, error = apply_decode_tokens(scheduled, i, requests, sampled, logprobs, epochs, failed,
+                                                      eos_token_ids, max_model_len, block_manager, outputs)
+                num_decoded += j - i - (error is not None)
+                i = j
+                if ended is not None:
+                    try:
+                        if error is not None:
+                            raise error
+                        self._finish(ended, outputs[-1].finish_reason)
+                        self._forget_child(ended)
+                    except Exception as error:  # noqa: BLE001 -- this request's bookkeeping: it alone ends
+                        logger.exception("Updating request %r failed", ended.parent_id)
+                        outputs.extend(self._fail_request(ended.parent_id, _failure_message(error)))
+                    continue
+                if i == len(scheduled):
+                    break
+            s = scheduled[i]
+            i += 1
             request = requests.get(s.request_id)
             if request is None:  # ended since it was scheduled (a sibling failed, it stopped, an abort)
                 continue
@@ -301,17 +321,6 @@ class LLMEngine:
                 continue
             stale = bool(epochs) and epochs.get(s.request_id, request.num_preemptions) != request.num_preemptions
             try:
-                if (plain and not stale and s.needs_sample and len(s.token_ids) == 1 and request.output_token_ids
-                        and s.start_pos >= len(request.prompt_token_ids)):
-                    output = apply_decode_token(request, sampled[s.request_id][0],
-                                                logprobs.get(s.request_id) if logprobs else None,
-                                                eos_token_ids, max_model_len, block_manager)
-                    outputs.append(output)
-                    num_decoded += 1
-                    if output.finish_reason is not None:
-                        self._finish(request, output.finish_reason)
-                        self._forget_child(request)
-                    continue
                 self._update(request, s, runner_out, constrained, now, outputs, finished_rounds, stale)
             except Exception as error:  # noqa: BLE001 -- this request's bookkeeping: it alone ends
                 logger.exception("Updating request %r failed", request.parent_id)

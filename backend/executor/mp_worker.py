@@ -23,7 +23,7 @@ from backend.types.child_process import exit_when_orphaned
 
 def serve(conn: Connection) -> int:
     from backend.distributed import get_parallel_state
-    from backend.types.startup_heap import freeze_startup_heap
+    from backend.types.startup_heap import tune_gc_for_serving
     from backend.executor.step_delta import StepDecoder
     from backend.worker.worker import Worker
 
@@ -35,7 +35,7 @@ def serve(conn: Connection) -> int:
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return 1
-    freeze_startup_heap()
+    tune_gc_for_serving()
     conn.send(("ok", os.getpid()))
     is_output_rank = get_parallel_state().is_output_rank
     decoder = StepDecoder()

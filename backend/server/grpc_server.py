@@ -39,7 +39,7 @@ from backend.server.servicer import SERVICE_NAME, EngineServicer, engine_service
 from backend.types.config import EngineConfig
 from backend.types.limits import Limits
 from backend.types.ports import check_port_free, port_error
-from backend.types.startup_heap import freeze_startup_heap
+from backend.types.startup_heap import tune_gc_for_serving
 from backend.types.startup_log import log_phase, seconds_since_process_start
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ async def serve(config: EngineConfig, host: str, port: int, metrics_port: Option
     try:
         server = BackendServer(engine, host, port, metrics_port, limits, max_connection_age, security, metrics_host)
         await server.start()
-        freeze_startup_heap()
+        tune_gc_for_serving()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
