@@ -1,15 +1,18 @@
 """A CPU engine's start-up memory: the KV cache, every layer's K and V zeroed by the kernel on first
 touch (backend.worker.huge_pages.zeroed_tensor), one mapping each, sized by the KV budget as before;
-and the embedding tables left out of the huge-page collapse where no linear layer multiplies by them."""
+a cache larger than the host's available memory refused at start-up; and the embedding tables left
+out of the huge-page collapse where no linear layer multiplies by them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_correctness import make_engine, random_prompts, run_engine
 
 import backend.worker.model_runner as model_runner
 from backend.models.linear_methods import LinearMethod
 from backend.types.sampling_params import SamplingParams
+from backend.worker.host_memory import host_memory_available
 
 
 def resident_bytes(address: int) -> int:
@@ -67,3 +70,29 @@ def test_a_tied_embedding_is_skipped_by_the_collapse_only_when_its_head_runs_a_f
     monkeypatch.setattr(model_runner, "linear_method_for", lambda *args: LinearMethod())  # multiplies by .weight
     runner = make_engine(model_dir).executor.worker.runner
     assert runner._gathered_only_tables() == []
+
+
+def test_a_cpu_kv_cache_larger_than_the_available_host_memory_is_refused_at_start_up(tiny_checkpoint, monkeypatch):
+    """The lazily zeroed cache would start and be killed under load: it is refused at start-up, the
+    message naming the setting to lower; one that fits starts."""
+    model_dir = tiny_checkpoint("llama")
+    monkeypatch.setattr(model_runner, "host_memory_available", lambda: 4 << 20)
+    with pytest.raises(RuntimeError, match="kv_cache_memory_gb"):
+        make_engine(model_dir, num_kv_blocks=None, kv_cache_memory_gb=0.01)  # 10 MiB
+    engine = make_engine(model_dir, num_kv_blocks=None, kv_cache_memory_gb=0.002)  # 2 MiB
+    assert engine.block_manager.num_blocks > 0
+
+
+def test_host_memory_available_is_the_smaller_of_meminfo_and_the_cgroups_room(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   1000 kB\n")
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text("3000000\n")
+    usage.write_text("1000000\n")
+    cgroup = ((str(limit), str(usage)),)
+    assert host_memory_available(str(meminfo), cgroup) == 1000 * 1024  # meminfo the smaller
+    meminfo.write_text("MemAvailable:   8000 kB\n")
+    assert host_memory_available(str(meminfo), cgroup) == 2000000  # the cgroup's room the smaller
+    limit.write_text("max\n")  # no limit
+    assert host_memory_available(str(meminfo), cgroup) == 8000 * 1024
+    assert host_memory_available(str(tmp_path / "absent"), ((str(tmp_path / "no"), str(usage)),)) is None

@@ -32,6 +32,7 @@ from backend.worker.block_tables import BlockTables
 from backend.worker.deferred_step import DeferredStep
 from backend.worker.draft_acceptance import accept_drafts
 from backend.worker.huge_pages import collapse_large_mappings, zeroed_tensor
+from backend.worker.host_memory import host_memory_available
 from backend.worker.pooler import Pooler
 from backend.worker.logprobs import compute_prompt_logprobs
 from backend.worker.sampler import Sampler
@@ -136,13 +137,25 @@ class ModelRunner:
             self.graphs.capture()
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Each layer's K and V cache (layout: ``tandem_kernels.ops.kv_cache_shape``)."""
+        """Each layer's K and V cache (layout: ``tandem_kernels.ops.kv_cache_shape``). On the CPU
+        the cache takes memory only as it is written, so one larger than the host's available
+        memory is refused here (``host_memory_available``) rather than killed later under load."""
+        if self.device.type == "cpu":
+            self._check_host_memory(num_blocks * self.kv_bytes_per_block())
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = kernels.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             kv = (self._zeroed_cache(shape), self._zeroed_cache(shape))
             layer.kv_cache = kv
             self.kv_caches.append(kv)
+
+    def _check_host_memory(self, cache_bytes: int) -> None:
+        available = host_memory_available()
+        if available is not None and cache_bytes > available:
+            raise RuntimeError(
+                f"The KV cache needs {cache_bytes / 2 ** 30:.2f} GiB, but only {available / 2 ** 30:.2f} GiB of "
+                "host memory is available (MemAvailable, and the cgroup's limit): lower kv_cache_memory_gb "
+                "(--kv-cache-memory-gb) or num_kv_blocks.")
 
     def _zeroed_cache(self, shape) -> torch.Tensor:
         """One layer's K or V cache, zeroed; on the CPU zeroed by the kernel as its pages are first
