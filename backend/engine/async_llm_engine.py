@@ -211,18 +211,20 @@ class AsyncLLMEngine:
                 pass
 
     def shutdown(self) -> None:
-        """Cancel the step task and stop the engine. From a thread other than the task's running
-        loop, waits (up to 5 s) for the task to end, so a loop closed next leaves no task pending."""
+        """Cancel the step task and stop the engine. From a thread other than the task's loop, while
+        that loop runs, waits (up to 5 s) for the task to end, so a loop closed next leaves no task
+        pending. The engine thread and the engine are stopped whatever happens to the wait."""
         task, loop = self._task, self._loop
-        if task is not None and not task.done() and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(task.cancel)
-            if loop.is_running() and not _running_on(loop):
-                try:
+        try:
+            if task is not None and not task.done() and loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
+                if loop.is_running() and not _running_on(loop):
                     asyncio.run_coroutine_threadsafe(asyncio.wait([task]), loop).result(timeout=5)
-                except (concurrent.futures.TimeoutError, RuntimeError):
-                    pass  # the loop stopped or is stuck: nothing more to wait for
-        self._thread.shutdown(wait=True)
-        self.engine.shutdown()
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+            pass  # the loop stopped, closed or is stuck: nothing more to wait for
+        finally:
+            self._thread.shutdown(wait=True)
+            self.engine.shutdown()
 
 
 def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
