@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,9 @@ from bench.gguf_files import FORMATS, TensorSource, copied_metadata, write_gguf 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3.2-1b.json"
 GGUF_STEM = "bench-1b"
 K_QUANTS = ("Q4_K_M",)  # written by llama-quantize from the BF16 file
-DEFAULT_LLAMA_QUANTIZE = Path.home() / ".cache" / "tandem" / "bench" / "llama.cpp-0.3.36-native" / "llama-quantize"
+# Where bench/build_llamacpp.sh puts it (same environment variables).
+DEFAULT_LLAMA_QUANTIZE = (Path(os.environ.get("TANDEM_BENCH_CACHE", Path.home() / ".cache" / "tandem" / "bench"))
+                          / f"llama.cpp-{os.environ.get('LLAMA_CPP_PYTHON_VERSION', '0.3.36')}-native" / "llama-quantize")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
@@ -195,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown --formats {unknown}; known: {', '.join([*FORMATS, *K_QUANTS])}")
     if any(f in K_QUANTS for f in formats) and not args.llama_quantize.is_file():
-        parser.error(f"{args.llama_quantize} does not exist: run bench/build_llamacpp.sh, or pass --llama-quantize")
+        parser.error(f"{args.llama_quantize} does not exist: run bench/build_llamacpp.sh, or pass --llama-quantize "
+                     "(from bench/peers.py: --llama-server, with llama-quantize in its folder)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir, tokenizer_gguf = default_tokenizer_sources(args.out / ".tokenizer")
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         path = args.out / f"{GGUF_STEM}.{fmt}.gguf"
         if fmt in K_QUANTS and (args.force or not path.exists()):
             source = args.out / f"{GGUF_STEM}.BF16.gguf"
-            if not source.exists():
+            if not source.exists() or (args.force and "BF16" not in formats):  # not rewritten above
                 write_gguf_file(source, config, args.seed, "BF16", metadata)
             quantize(args.llama_quantize, source, path, fmt)
         elif args.force or not path.exists():
