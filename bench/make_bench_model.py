@@ -43,8 +43,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3.2-1b.jso
 GGUF_STEM = "bench-1b"
 K_QUANTS = ("Q4_K_M",)  # written by llama-quantize from the BF16 file
 # Where bench/build_llamacpp.sh puts it (same environment variables).
-DEFAULT_LLAMA_QUANTIZE = (Path(os.environ.get("TANDEM_BENCH_CACHE", Path.home() / ".cache" / "tandem" / "bench"))
-                          / f"llama.cpp-{os.environ.get('LLAMA_CPP_PYTHON_VERSION', '0.3.36')}-native" / "llama-quantize")
+DEFAULT_LLAMA_QUANTIZE = (
+    Path(os.environ.get("TANDEM_BENCH_CACHE", Path.home() / ".cache" / "tandem" / "bench"))
+    / f"llama.cpp-{os.environ.get('LLAMA_CPP_PYTHON_VERSION', '0.3.36')}-native" / "llama-quantize")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 

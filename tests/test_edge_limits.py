@@ -56,7 +56,8 @@ class QuickEngine:
 
 
 @contextmanager
-def edge_server(tmp_path, api_key: Optional[str] = API_KEY, **limits) -> Iterator[tuple[str, int, QuickEngine, LoopThread]]:
+def edge_server(tmp_path, api_key: Optional[str] = API_KEY,
+                **limits) -> Iterator[tuple[str, int, QuickEngine, LoopThread]]:
     """The app over a QuickEngine, served by uvicorn with the app's own HTTP protocol (the head bounds)."""
     build_tokenizer(tmp_path)
     tokenizer = load_tokenizer(str(tmp_path))
