@@ -12,16 +12,20 @@
 // product exact), then runs every row of x over them: a prompt pays the dequantization once per
 // call, not once per row. Each output is the dot product in 16 fp32 lanes over K, the lanes summed
 // in a fixed tree, plus the bias, rounded once to x's dtype. The order depends on K only, never on
-// M, so a row's result does not depend on the batch it runs in.
+// M, so a row's result does not depend on the batch it runs in. With AVX2 or AVX-512 both paths
+// run in intrinsics with the products fused (int4_vec.h's 16-lane vectors); elsewhere in plain
+// loops, multiplied and added apart.
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
+#include "int4_vec.h"
 #include "ops.h"
 
 namespace tandem {
@@ -39,6 +43,53 @@ inline float reduce16(float* acc) {
   return acc[0];
 }
 
+#if defined(__AVX512F__) || defined(TANDEM_INT4_AVX2)
+// In intrinsics (int4_vec.h's v16: lane j holds element j of 16), products fused; both paths below
+// sum in the same order, so a row's result still does not depend on M.
+#define TANDEM_INT8G_VECTOR 1
+
+inline float reduce_v16(v16 acc) {
+  float lanes[16];
+  store_x16(lanes, acc);
+  return reduce16(lanes);
+}
+
+inline float dot16(const float* __restrict x, const float* __restrict w, int64_t k_size) {
+  v16 acc = zero16();
+  for (int64_t k = 0; k < k_size; k += 16) acc = fma16(load_x16(x + k), load_x16(w + k), acc);
+  return reduce_v16(acc);
+}
+
+// 16 codes -> s * q + m, the scalar ``dequantize``'s values (s * q is exact: one rounding either way)
+inline v16 dequant16(const int8_t* q, float s, float m) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(s), _mm512_set1_ps(m));
+#else
+  const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+  return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), vs, vm),
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8))), vs, vm)};
+#endif
+}
+
+// Decode: weight rows [begin, end) against M rows of x [M, K], 16 weights at a time in registers.
+template <int M>
+void int8g_rows(const float* __restrict xp, const int8_t* codes, const float* scales, int64_t k_size,
+                int64_t n_size, bool to_bf16, int64_t begin, int64_t end, float* __restrict out) {
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* q = codes + n * k_size;
+    const float* s = scales + n * (k_size / kGroup) * 2;
+    v16 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = zero16();
+    for (int64_t k = 0; k < k_size; k += 16, s += 2) {
+      v16 w = dequant16(q + k, s[0], s[1]);
+      if (to_bf16) w = round_bf16(w);
+      for (int m = 0; m < M; ++m) acc[m] = fma16(load_x16(xp + m * k_size + k), w, acc[m]);
+    }
+    for (int m = 0; m < M; ++m) out[m * n_size + n] = reduce_v16(acc[m]);
+  }
+}
+#else
 inline float dot16(const float* __restrict x, const float* __restrict w, int64_t k_size) {
   float acc[16] = {0};
   for (int64_t k = 0; k < k_size; k += 16) {
@@ -46,6 +97,7 @@ inline float dot16(const float* __restrict x, const float* __restrict w, int64_t
   }
   return reduce16(acc);
 }
+#endif
 
 // Round to the nearest bf16, ties to even (finite values: GGUF weights are), in bit operations the
 // compiler vectorizes: c10::BFloat16's rounding, without its NaN branch.
@@ -99,6 +151,20 @@ Tensor grouped_linear(const Tensor& x, const Rows& weights, int64_t n_size, cons
   const float* xp = xf.data_ptr<float>();
   float* op_out = out.data_ptr<float>();
   if (m_size <= kRegisterRows) {  // decode: 16 weights at a time, straight into the sums
+#if defined(TANDEM_INT8G_VECTOR)
+    at::parallel_for(0, n_size, kPanelRows, [&](int64_t begin, int64_t end) {
+      const auto rows = [&](auto m) {
+        int8g_rows<decltype(m)::value>(xp, weights.codes, weights.scales, k_size, n_size, round_bf16, begin, end,
+                                       op_out);
+      };
+      switch (m_size) {
+        case 1: rows(std::integral_constant<int, 1>{}); break;
+        case 2: rows(std::integral_constant<int, 2>{}); break;
+        case 3: rows(std::integral_constant<int, 3>{}); break;
+        default: rows(std::integral_constant<int, 4>{}); break;
+      }
+    });
+#else
     at::parallel_for(0, n_size, kPanelRows, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         float acc[kRegisterRows][16] = {};
@@ -113,6 +179,7 @@ Tensor grouped_linear(const Tensor& x, const Rows& weights, int64_t n_size, cons
         for (int64_t m = 0; m < m_size; ++m) op_out[m * n_size + n] = reduce16(acc[m]);
       }
     });
+#endif
   } else at::parallel_for(0, (n_size + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanelRows * k_size);  // [kPanelRows, K] dequantized rows, in cache
     for (int64_t p = begin; p < end; ++p) {
