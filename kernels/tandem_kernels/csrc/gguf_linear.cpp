@@ -54,10 +54,27 @@ inline float reduce_v16(v16 acc) {
   return reduce16(lanes);
 }
 
-inline float dot16(const float* __restrict x, const float* __restrict w, int64_t k_size) {
-  v16 acc = zero16();
-  for (int64_t k = 0; k < k_size; k += 16) acc = fma16(load_x16(x + k), load_x16(w + k), acc);
-  return reduce_v16(acc);
+// MT rows of x against NT dequantized weight rows (the panel path's unit): each of the MT x NT
+// sums kept in registers, lane j over K's elements j mod 16 in order, then reduce16 (the decode
+// path's order, so the same bits).
+template <int MT, int NT>
+inline void dot16_tile(const float* __restrict x, const float* __restrict w, int64_t k_size,
+                       float* __restrict out, int64_t out_stride) {
+  v16 acc[MT][NT];
+  for (int i = 0; i < MT; ++i) {
+    for (int j = 0; j < NT; ++j) acc[i][j] = zero16();
+  }
+  for (int64_t k = 0; k < k_size; k += 16) {
+    v16 wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load_x16(w + j * k_size + k);
+    for (int i = 0; i < MT; ++i) {
+      const v16 xv = load_x16(x + i * k_size + k);
+      for (int j = 0; j < NT; ++j) acc[i][j] = fma16(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    for (int j = 0; j < NT; ++j) out[i * out_stride + j] = reduce_v16(acc[i][j]);
+  }
 }
 
 // 16 codes -> s * q + m, the scalar ``dequantize``'s values (s * q is exact: one rounding either way)
@@ -188,11 +205,26 @@ Tensor grouped_linear(const Tensor& x, const Rows& weights, int64_t n_size, cons
         weights.dequantize(n0 + r, panel.data() + r * k_size);
         if (round_bf16) round_to_bf16(panel.data() + r * k_size, k_size);
       }
+#if defined(TANDEM_INT8G_VECTOR)
+      for (int64_t m = 0; m < m_size; m += 2) {  // 2 x 2 tiles: four sums in registers, loads shared
+        for (int64_t r = 0; r < rows; r += 2) {
+          const float* xr = xp + m * k_size;
+          const float* wr = panel.data() + r * k_size;
+          float* o = op_out + m * n_size + n0 + r;
+          const bool two_m = m + 1 < m_size, two_r = r + 1 < rows;
+          if (two_m && two_r) dot16_tile<2, 2>(xr, wr, k_size, o, n_size);
+          else if (two_m) dot16_tile<2, 1>(xr, wr, k_size, o, n_size);
+          else if (two_r) dot16_tile<1, 2>(xr, wr, k_size, o, n_size);
+          else dot16_tile<1, 1>(xr, wr, k_size, o, n_size);
+        }
+      }
+#else
       for (int64_t m = 0; m < m_size; ++m) {
         for (int64_t r = 0; r < rows; ++r) {
           op_out[m * n_size + n0 + r] = dot16(xp + m * k_size, panel.data() + r * k_size, k_size);
         }
       }
+#endif
     }
   });
   if (bias.has_value()) out.add_(bias->to(at::kFloat).view({1, n_size}));
