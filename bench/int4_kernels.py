@@ -1,5 +1,6 @@
 """The 4-bit CPU kernel on one layer, with fp16 (d, m) per 32-wide group (int4: Q4_0, Q4_1) and with
-float32 ones (int4f: Q4_K, AWQ, GPTQ), against F.linear on the weights in x's dtype (bf16 or float32).
+float32 ones (int4f: Q4_K, AWQ, GPTQ), and the grouped int8 kernel (int8g: Q5_K, Q6_K, Q8_0; one
+code a weight, float32 (s, m) per 16), against F.linear on the weights in x's dtype (bf16 or float32).
 
     python bench/int4_kernels.py [--n 4096] [--k 2048] [--rows 1,4,32] [--repeats 20] [--dtype bfloat16]
 
@@ -28,6 +29,15 @@ def best_ms(fn, repeats: int) -> float:
     return min(times) * 1e3
 
 
+def int8g_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] in the grouped int8 layout: codes [N, K] int8, (s, m) [N, K / 16, 2] float32
+    (symmetric, m = 0: the kernel's cost does not depend on the values)."""
+    groups = weight.view(weight.shape[0], -1, 16)  # [N, K / 16, 16]
+    s = groups.abs().amax(dim=2).clamp_min(1e-8) / 127  # [N, K / 16]
+    codes = torch.round(groups / s.unsqueeze(2)).to(torch.int8).view_as(weight)
+    return codes, torch.stack([s, torch.zeros_like(s)], dim=2).contiguous()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=4096)
@@ -43,12 +53,14 @@ def main() -> None:
     qweight, scales16 = quantize_int4(weight)  # [N, K / 2] uint8, [N, K / 32, 2] fp16
     dtype = getattr(torch, args.dtype)
     scales32, weight_x = scales16.float(), weight.to(dtype)
+    codes8, scales8 = int8g_weights(weight)
     print(f"{cpu.loaded_library()[1].name} build, N={args.n} K={args.k}, {args.dtype} x, best of {args.repeats} (ms)")
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, args.k).to(dtype)  # [M, K]
         row = {f"F.linear {args.dtype}": best_ms(lambda: F.linear(x, weight_x), args.repeats),
                "int4 (fp16 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales16, None), args.repeats),
-               "int4f (fp32 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales32, None), args.repeats)}
+               "int4f (fp32 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales32, None), args.repeats),
+               "int8g (fp32 s,m)": best_ms(lambda: cpu.gguf_int8g_linear(x, codes8, scales8, None), args.repeats)}
         print(f"M={m}: " + "  ".join(f"{name} {ms:.2f}" for name, ms in row.items()))
 
 
