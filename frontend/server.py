@@ -36,11 +36,11 @@ from backend.types.errors import TandemError
 from backend.types.limits import FRONTEND_LIMITS, Limits
 from backend.types.command_line import CommandLineParser
 from backend.types.ports import check_port_free, port_error, port_number
+from backend.types.startup_heap import tune_gc_for_serving
 from backend.types.wire import TOKEN_ENV  # read when --backend-auth-token is not given
 from frontend.app import create_app
 from frontend.backend_response_store import BackendResponseStore
 from frontend.environment import API_KEY_ENV
-from frontend.gc_tuning import tune_gc_for_serving
 from frontend.router import DEFAULT_PREFIX_TOKENS, POLICIES, Router, parse_targets
 from frontend.tokenizer import load_tokenizer, tokenizer_fingerprint
 from frontend.tool_calls import PARSERS as TOOL_CALL_PARSERS

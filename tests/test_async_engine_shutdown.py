@@ -14,23 +14,26 @@ from backend.types.config import EngineConfig
 from backend.types.sampling_params import SamplingParams
 
 
-def tiny_async_engine(checkpoint) -> AsyncLLMEngine:
-    return AsyncLLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", num_kv_blocks=64, block_size=4,
-                                       max_model_len=64, max_num_seqs=4))
-
-
 async def first_tokens(engine: AsyncLLMEngine) -> list[int]:
     async for output in engine.generate("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2)):
         return output.new_token_ids
     return []
 
 
+def engine_that_served(checkpoint) -> tuple[LoopThread, AsyncLLMEngine]:
+    """A tiny fp32 AsyncLLMEngine on a loop thread of its own, after one request (its step task
+    now waits for work on that loop)."""
+    loop = LoopThread()
+    engine = AsyncLLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", num_kv_blocks=64, block_size=4,
+                                         max_model_len=64, max_num_seqs=4))
+    assert loop.run(first_tokens(engine))
+    return loop, engine
+
+
 @pytest.mark.timeout(120)
 def test_shutdown_from_another_thread_ends_the_step_task_before_it_returns(tiny_checkpoint):
-    loop = LoopThread()
-    engine = tiny_async_engine(tiny_checkpoint("llama"))
+    loop, engine = engine_that_served(tiny_checkpoint("llama"))
     try:
-        assert loop.run(first_tokens(engine))
         task = engine._task
         assert task is not None and not task.done()  # waiting for work on the loop
         engine.shutdown()
@@ -41,10 +44,8 @@ def test_shutdown_from_another_thread_ends_the_step_task_before_it_returns(tiny_
 
 @pytest.mark.timeout(120)
 def test_shutdown_after_the_loop_stopped_still_stops_the_engine(tiny_checkpoint):
-    loop = LoopThread()
-    engine = tiny_async_engine(tiny_checkpoint("llama"))
+    loop, engine = engine_that_served(tiny_checkpoint("llama"))
     try:
-        assert loop.run(first_tokens(engine))
         loop.loop.call_soon_threadsafe(loop.loop.stop)
         loop.thread.join(5)
         task = engine._task

@@ -1,11 +1,11 @@
-"""tune_gc_for_serving (backend.types.startup_heap, re-exported by frontend.gc_tuning): the heap alive
+"""tune_gc_for_serving (backend.types.startup_heap): the heap alive
 at start-up is frozen, and young collections are rarer."""
 
 from __future__ import annotations
 
 import gc
 
-from frontend.gc_tuning import YOUNG_THRESHOLD, tune_gc_for_serving
+from backend.types.startup_heap import YOUNG_THRESHOLD, tune_gc_for_serving
 
 
 def test_the_live_heap_is_frozen_and_the_young_threshold_raised():

@@ -12,7 +12,7 @@ step ends (its scheduled requests, token lists, outputs), more than CPython's de
 allocations between young collections, so one ran almost every step (~0.1 ms at 256 x 1k, on an
 engine step of ~1.2 ms) and found them all alive. With a threshold above one step's allocations
 reference counting frees them first, and a young collection is rare. Used by both processes:
-the backend (engine and workers) and the frontend (``frontend.gc_tuning``).
+the backend (engine and workers) and the frontend (``frontend.server``).
 """
 
 from __future__ import annotations
