@@ -275,6 +275,13 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return torch.ops.tandem_cpu.int4_linear(x, qweight, scales, bias)
 
 
+def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """gguf_reference.int4_q8_linear: ``int4_linear``'s weights against x [M, K] float32/bf16
+    quantized to 8 bits per 32 values, integer dot products (csrc/int4_q8.cpp)."""
+    return torch.ops.tandem_cpu.int4_q8_linear(x, qweight, scales, bias)
+
+
 def int8_bf16_available() -> bool:
     """Whether ``int8_linear_packed`` runs here: the kernels are loaded and built for AVX-512 BF16."""
     return available() and torch.ops.tandem_cpu.int8_bf16_available()

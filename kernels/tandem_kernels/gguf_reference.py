@@ -51,3 +51,36 @@ def int4f_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.dtype in (torch.bfloat16, torch.float16):
         weight = weight.to(x.dtype).float()
     return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+Q8_GROUP = 32  # activations per 8-bit scale (int4_q8_linear)
+
+
+def quantize_q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 or bf16 -> (q [M, K] int8, s [M, K / 32] float32), per 32-wide group: a =
+    max |x|, s = a / 127, q = round_half_even(x * (127 / a)) (zero where a = 0), in fp32."""
+    groups = x.float().view(x.shape[0], -1, Q8_GROUP)  # [M, G, 32]
+    a = groups.abs().amax(dim=2, keepdim=True)  # [M, G, 1]
+    inv = torch.where(a > 0, 127.0 / a, torch.zeros_like(a))
+    q = torch.round(groups * inv).clamp(-127, 127).to(torch.int8)
+    return q.view(x.shape), (a / 127.0).squeeze(2)
+
+
+def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """csrc/int4_q8.cpp's contract: x quantized by ``quantize_q8_groups``, the int4 / int4f weights'
+    codes (0..15) and (d, m) [N, K / 32, 2] fp16 or fp32; out [M, N] in x's dtype is
+    sum_g (d * s) * dot + (m * s) * xs (dot and xs the group's exact integer sums), here in float64
+    (the kernel's fp32 sums agree to rounding)."""
+    q, s = quantize_q8_groups(x)
+    m_rows, n = x.shape[0], qweight.shape[0]
+    codes = qweight.view(n, -1, 16)  # [N, G, 16]
+    w = torch.cat([codes & 15, codes >> 4], dim=2).double()  # [N, G, 32]
+    qg = q.view(m_rows, -1, Q8_GROUP).double()  # [M, G, 32]
+    dot = torch.einsum("mgk,ngk->mng", qg, w)  # [M, N, G], exact integers
+    xs = qg.sum(dim=2)  # [M, G]
+    dm, s64 = scales.double(), s.double()
+    out = (dot * dm[None, :, :, 0] * s64[:, None, :]).sum(2) + (dm[None, :, :, 1] * (s64 * xs)[:, None, :]).sum(2)
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
