@@ -40,7 +40,11 @@
                               products, vdpbf16ps where the CPU has it), summed in fp32, rounded once;
                               on CUDA bf16 or fp16 activations, the Triton dequant-GEMM
                               (kernels/tandem_kernels/int4_matmul.py: same contract; compiled for
-                              sm_80 / sm_90a in CI, not yet run on a GPU)
+                              sm_80 / sm_90a in CI, not yet run on a GPU). With
+                              ``int4_activations="int8"`` (CPU) the activations are quantized to
+                              8 bits per 32 values and the products are integer dot products
+                              (csrc/int4_q8.cpp, llama.cpp's numerics for 4-bit GGUF): faster,
+                              approximate
     GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
                               packed for the int4 kernel, its Q4_K layers as 4-bit codes with fp32
                               scales, Q5_K / Q6_K / Q8_0 (and mixed) layers in a grouped int8
@@ -191,8 +195,18 @@ class W8A8LinearMethod(Int8LinearMethod):
 
 class Int4LinearMethod(LinearMethod):
     """The int4 layout (and int4f, its fp32-scale form) on the device the layer's weight is on:
-    ``tandem_kernels.ops.int4_linear`` (the C++ kernels on a CPU, the Triton dequant-GEMM on CUDA)."""
+    ``tandem_kernels.ops.int4_linear`` (the C++ kernels on a CPU, the Triton dequant-GEMM on CUDA),
+    or with ``int8_activations`` (CPU) ``tandem_kernels.ops.int4_q8_linear``."""
     name = "int4"
+
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
+
+    def _int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.int8_activations:
+            return kernels.int4_q8_linear(x, qweight, scales, bias)
+        return kernels.int4_linear(x, qweight, scales, bias)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         require_int4_kernels(self.name, layer.weight.device)
@@ -200,13 +214,14 @@ class Int4LinearMethod(LinearMethod):
         release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return kernels.int4_linear(x, layer.int4_weight, layer.int4_scales, bias)
+        return self._int4_matmul(x, layer.int4_weight, layer.int4_scales, bias)
 
 
 class GgufLinearMethod(Int4LinearMethod):
     name = "gguf"
 
-    def __init__(self, unpacked: LinearMethod) -> None:
+    def __init__(self, unpacked: LinearMethod, int8_activations: bool = False) -> None:
+        super().__init__(int8_activations)
         self.unpacked = unpacked  # for the layers the file does not hold as Q4_0 / Q4_1
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
@@ -238,7 +253,7 @@ class GgufLinearMethod(Int4LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if hasattr(layer, "gguf_codes"):
             if layer.gguf_layout == "int4f":
-                return kernels.int4_linear(x, layer.gguf_codes, layer.gguf_scales, bias)
+                return self._int4_matmul(x, layer.gguf_codes, layer.gguf_scales, bias)
             return tandem_kernels.cpu.gguf_int8g_linear(x, layer.gguf_codes, layer.gguf_scales, bias)
         if hasattr(layer, "int4_weight"):
             return super().apply(layer, x, bias)
@@ -286,7 +301,12 @@ def release_weight(layer: LinearBase) -> None:
         layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
 
 
-def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Optional[str]) -> LinearMethod:
+def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Optional[str],
+                      int4_activations: str = "exact") -> LinearMethod:
+    """The method every linear layer runs; ``int4_activations``: "exact" or "int8" (4-bit CPU layers)."""
+    if int4_activations != "exact" and (device.type != "cpu" or quantization not in ("int4", "gguf", "awq", "gptq")):
+        raise ValueError(f"int4_activations={int4_activations!r} applies to 4-bit weights on the CPU")
+    int8_activations = int4_activations == "int8"
     if quantization is not None:
         if device.type == "cuda" and quantization in GPU_QUANTIZATIONS:
             pass  # the Triton int4 kernel
@@ -294,9 +314,11 @@ def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Op
             raise ValueError(f"quantization={quantization!r} runs on the CPU with the fused kernels only "
                              f"({', '.join(GPU_QUANTIZATIONS)}: on CUDA too)")
         if quantization in ("gguf", "awq", "gptq"):  # packed by gguf_packed.py / int4_checkpoints.py
-            method = GgufLinearMethod(linear_method_for(device, dtype, None))
+            method = GgufLinearMethod(linear_method_for(device, dtype, None), int8_activations)
             method.name = quantization
             return method
+        if quantization == "int4":
+            return Int4LinearMethod(int8_activations)
         return QUANTIZED_METHODS[quantization]()
     if device.type == "cpu" and dtype == torch.bfloat16 and tandem_kernels.cpu.amx_available():
         return AmxLinearMethod()

@@ -13,7 +13,7 @@ from backend.models.int4_checkpoints import METHODS as CHECKPOINT_METHODS, Quant
 from backend.models.linear_methods import GPU_QUANTIZATIONS
 from backend.models.loader import PlainModelConfig, load_hf_config, resolve_model, resolve_tokenizer
 from backend.models.registry import parallel_size_problem
-from backend.types.config import EngineConfig, cpu_has_native_bf16
+from backend.types.config import INT4_QUANTIZATIONS, EngineConfig, cpu_has_native_bf16
 from backend.types.errors import InvalidRequestError
 
 
@@ -81,7 +81,14 @@ def _resolve_device_and_dtype(config: EngineConfig) -> None:
 
 def _check_quantization_device(config: EngineConfig) -> None:
     """Quantized weights run on the CPU with float32 or bfloat16 activations; the 4-bit ones
-    (GPU_QUANTIZATIONS: the int4 layout's Triton kernel) also on CUDA with bfloat16 or float16."""
+    (GPU_QUANTIZATIONS: the int4 layout's Triton kernel) also on CUDA with bfloat16 or float16.
+    int8 activations (``int4_activations``) are the CPU's 4-bit matmuls' only."""
+    if config.int4_activations != "exact" and (config.quantization not in INT4_QUANTIZATIONS
+                                               or config.device_type != "cpu"):
+        raise InvalidRequestError(
+            f"int4_activations={config.int4_activations!r} is implemented for 4-bit weights on the CPU "
+            f"(quantization {', '.join(INT4_QUANTIZATIONS)}); got quantization={config.quantization!r} on "
+            f"{config.device_type}.", param="int4_activations")
     if config.quantization is None:
         return
     if config.device_type == "cpu" and config.torch_dtype_name in ("float32", "bfloat16"):

@@ -27,6 +27,8 @@ EXECUTORS = ("uni", "mp", "ray", "external_launcher")
 QUANTIZATIONS = ("int8", "w8a8", "int4", "gguf", "awq", "gptq")  # int8 / int4 weights on the CPU (backend/models/linear_methods.py)
 # The KV cache's element type: auto = the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn, as vLLM's).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+INT4_QUANTIZATIONS = ("int4", "gguf", "awq", "gptq")  # 4-bit weights (gguf: its Q4 layers)
+INT4_ACTIVATIONS = ("exact", "int8")  # the 4-bit CPU matmuls' activations (backend/models/linear_methods.py)
 MAX_GRAMMAR_COMPILE_WORKERS = 64  # each a process holding xgrammar (and torch)
 MAX_STREAM_INTERVAL = 1024  # stream_interval: tokens per streamed delta
 MAX_JSON_WHITESPACE = 4096  # json_max_whitespace: a bound, not a repetition count to blow up the grammar
@@ -81,6 +83,10 @@ FIELD_HELP = {
                     "dequantized), awq or gptq (a checkpoint's 4-bit AWQ/GPTQ weights served packed; "
                     "set from its config.json); on CUDA int4, gguf, awq and gptq also run, with bfloat16 or "
                     "float16 activations (a Triton kernel) (default: the checkpoint's precision)",
+    "int4_activations": "the activations of the 4-bit CPU matmuls (int4, gguf, awq, gptq): exact (default: "
+                        "--dtype's, the model with its weights dequantized) or int8 (quantized to 8 bits per "
+                        "32 values before each 4-bit matmul, integer dot products, as llama.cpp runs its 4-bit "
+                        "GGUF types: faster, approximate; tokens may differ from the dequantized model's)",
     "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
                       "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
                       "in the same memory, half the bytes attention reads); approximate; CPU only",
@@ -219,6 +225,7 @@ class EngineConfig:
     # Weight quantization: None (the checkpoint's precision, or its AWQ/GPTQ method), "int8" (weight-only),
     # "w8a8", "int4", "gguf", "awq" or "gptq" (CPU; activations in float32 or bfloat16).
     quantization: Optional[str] = None
+    int4_activations: str = "exact"  # one of INT4_ACTIVATIONS
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}
     speculative_config: Optional[dict] = None
@@ -280,6 +287,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             bad("quantization", f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
                 f"got {self.quantization!r}.")
+        if self.int4_activations not in INT4_ACTIVATIONS:
+            bad("int4_activations", f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}; "
+                f"got {self.int4_activations!r}.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                 f"got {self.kv_cache_dtype!r}.")

@@ -88,7 +88,7 @@ class ModelRunner:
             attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config,
                                   self.config.model_path)
         model.load_weights(weights)
-        method = linear_method_for(self.device, self.dtype, self.config.quantization)
+        method = linear_method_for(self.device, self.dtype, self.config.quantization, self.config.int4_activations)
         for module in model.modules():
             if isinstance(module, LinearBase):
                 module.linear_method = method

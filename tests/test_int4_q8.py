@@ -1,0 +1,103 @@
+"""int8 activations for the 4-bit CPU matmuls (``int4_activations="int8"``, csrc/int4_q8.cpp):
+the kernel against its plain-torch contract (gguf_reference.int4_q8_linear), its batch
+invariance, how far it lands from the exact matmul, and the engine option end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_correctness import random_prompts, run_engine
+from test_gguf_packed import gguf_engine, tensor_type
+from test_loader import TINY_VOCAB, write_tiny_llama_gguf
+
+import tandem_kernels.cpu
+from backend.models.int4_weights import quantize_int4
+from backend.models.linear_methods import linear_method_for
+from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
+from backend.types.sampling_params import SamplingParams
+from tandem_kernels import gguf_reference as G
+
+needs_kernels = pytest.mark.skipif(not tandem_kernels.cpu.available(), reason="needs the fused CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    """test_gguf_packed's tiny Llama: Q4_0 attention, Q4_1 MLP and head, one fp32 layer."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf"
+    write_tiny_llama_gguf(path, tensor_type, untied=True)
+    return path
+
+
+def weights(n: int, k: int, float_scales: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    qweight, scales = quantize_int4(torch.randn(n, k) * 0.02)  # [N, K / 2] uint8, [N, K / 32, 2] fp16
+    return qweight, (scales.float() if float_scales else scales)
+
+
+def test_quantize_q8_groups_rounds_each_group_to_its_own_scale():
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-2.0, 1.0, 32)
+    x[1, 32:] = 0.5  # row 1's first group is all zero
+    q, s = G.quantize_q8_groups(x)
+    assert s[0, 0] == pytest.approx(2.0 / 127) and s[0, 1] == 0 and s[1, 0] == 0
+    assert q[0, 0] == -127 and q[1, 32] == 127 and not q[1, :32].any()
+    assert (q.float() * s.repeat_interleave(32, dim=1) - x).abs().max() <= 1.0 / 127  # at most half a step
+    ties = torch.tensor([[127.0, 4.5, 5.5, -2.5] + [0.0] * 28])  # a step of 1: ties round to even
+    assert G.quantize_q8_groups(ties)[0][0, :4].tolist() == [127, 4, 6, -2]
+
+
+@needs_kernels
+@pytest.mark.parametrize("float_scales", [False, True], ids=["fp16-scales", "fp32-scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,m", [(64, 256, 1), (37, 512, 2), (70, 1024, 9)])
+def test_kernel_meets_its_reference(n, k, m, dtype, float_scales):
+    qweight, scales = weights(n, k, float_scales)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n)
+    got, ref = tandem_kernels.cpu.int4_q8_linear(x, qweight, scales, bias), G.int4_q8_linear(x, qweight, scales, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    if dtype == torch.float32:  # fp32 sums against float64's: rounding only
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    else:  # and one bf16 rounding of the result
+        torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=1e-2)
+    # a row's result does not depend on the rows beside it
+    assert torch.equal(tandem_kernels.cpu.int4_q8_linear(x[-1:].contiguous(), qweight, scales, bias), got[-1:])
+
+
+@needs_kernels
+def test_zero_activations_give_the_bias_and_the_error_against_the_exact_matmul_is_small():
+    qweight, scales = weights(96, 2048, float_scales=True, seed=1)
+    bias = torch.randn(96)
+    assert torch.equal(tandem_kernels.cpu.int4_q8_linear(torch.zeros(3, 2048), qweight, scales, bias),
+                       bias.expand(3, 96))
+    x = torch.randn(4, 2048)
+    exact = tandem_kernels.cpu.int4_linear(x, qweight, scales, None)
+    approx = tandem_kernels.cpu.int4_q8_linear(x, qweight, scales, None)
+    assert not torch.equal(approx, exact)  # the activations were rounded
+    assert ((approx - exact).norm() / exact.norm()).item() < 0.01  # ~0.3% for Gaussian x
+
+
+def test_the_option_is_refused_where_it_does_not_apply(q4_gguf):
+    with pytest.raises(InvalidRequestError, match="int4_activations must be one of exact, int8"):
+        EngineConfig(int4_activations="int4")
+    with pytest.raises(InvalidRequestError, match="4-bit weights on the CPU") as refused:
+        gguf_engine(q4_gguf, dtype="float32", int4_activations="int8")  # no quantization: nothing 4-bit
+    assert refused.value.param == "int4_activations"
+    with pytest.raises(ValueError, match="4-bit weights on the CPU"):
+        linear_method_for(torch.device("cpu"), torch.float32, "int8", "int8")
+
+
+@needs_kernels
+def test_gguf_with_int8_activations_runs_the_integer_kernel_batched_as_alone(q4_gguf, monkeypatch):
+    prompts = random_prompts([3, 17, 40], TINY_VOCAB)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    calls = []
+    kernel = tandem_kernels.cpu.int4_q8_linear
+    monkeypatch.setattr(tandem_kernels.cpu, "int4_q8_linear", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    monkeypatch.setattr(tandem_kernels.cpu, "int4_linear", lambda *a: pytest.fail("the exact kernel ran"))
+    engine = gguf_engine(q4_gguf, quantization="gguf", dtype="float32", int4_activations="int8",
+                         enforce_eager=True)
+    batched = run_engine(engine, prompts, params)
+    assert calls and all(len(out) == 12 for out in batched)
+    assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
