@@ -101,3 +101,19 @@ def test_gguf_with_int8_activations_runs_the_integer_kernel_batched_as_alone(q4_
     batched = run_engine(engine, prompts, params)
     assert calls and all(len(out) == 12 for out in batched)
     assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
+
+
+@needs_kernels
+def test_q4_k_layers_keep_fp16_scales_under_int8_activations(tmp_path):
+    from test_gguf_blocks import engine_for, write_mixed_gguf
+
+    mixed = write_mixed_gguf(tmp_path / "tiny-mixed.gguf")  # layer 1's gate_up: Q4_K | Q4_0, the int4f layout
+    exact = dict(engine_for(mixed, quantization="gguf", dtype="float32").executor.worker.runner.model.named_modules())
+    int8 = engine_for(mixed, quantization="gguf", dtype="float32", int4_activations="int8")
+    modules = dict(int8.executor.worker.runner.model.named_modules())
+    name = "model.layers.1.mlp.gate_up_proj"
+    assert modules[name].gguf_layout == "int4f" and modules[name].gguf_scales.dtype == torch.float16
+    assert exact[name].gguf_scales.dtype == torch.float32
+    torch.testing.assert_close(modules[name].gguf_scales.float(), exact[name].gguf_scales, rtol=1e-3, atol=1e-7)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [len(out) for out in run_engine(int8, random_prompts([5, 11], 128), params)] == [8, 8]

@@ -240,6 +240,8 @@ class GgufLinearMethod(Int4LinearMethod):
             if layout == "int4f":
                 require_int4_kernels(self.name, device)
             layer.gguf_layout, (layer.gguf_codes, layer.gguf_scales) = layout, tuple(t.to(device) for t in pack)
+            if layout == "int4f" and self.int8_activations:
+                layer.gguf_scales = fp16_scales_if_finite(layer.gguf_scales)
             release_weight(layer)
             return
         if packed is None:
@@ -291,6 +293,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
     q = torch.round(weight / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.float().contiguous()
+
+
+def fp16_scales_if_finite(scales: torch.Tensor) -> torch.Tensor:
+    """int4f's fp32 (d, m) [N, G, 2] as fp16 for the int8-activation kernel, when every value
+    stays finite: 20 bytes a 32-weight group instead of 24, the bytes a decode step streams. The
+    rounding (d to 11 significant bits, ~0.02%) is far below the activations' (8 bits, ~0.4%)."""
+    half = scales.half()
+    return half if bool(torch.isfinite(half).all()) else scales
 
 
 def release_weight(layer: LinearBase) -> None:
