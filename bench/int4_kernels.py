@@ -1,6 +1,8 @@
 """The 4-bit CPU kernel on one layer, with fp16 (d, m) per 32-wide group (int4: Q4_0, Q4_1) and with
-float32 ones (int4f: Q4_K, AWQ, GPTQ), and the grouped int8 kernel (int8g: Q5_K, Q6_K, Q8_0; one
-code a weight, float32 (s, m) per 16), against F.linear on the weights in x's dtype (bf16 or float32).
+float32 ones (int4f: Q4_K, AWQ, GPTQ), the grouped int8 kernel (int8g: Q5_K, Q6_K, Q8_0; one
+code a weight, float32 (s, m) per 16) and the 4-bit weights against int8 activations
+(``int4_q8_linear``, ``--int4-activations int8``), against F.linear on the weights in x's dtype
+(bf16 or float32).
 
     python bench/int4_kernels.py [--n 4096] [--k 2048] [--rows 1,4,32] [--repeats 20] [--dtype bfloat16]
 
@@ -60,7 +62,8 @@ def main() -> None:
         row = {f"F.linear {args.dtype}": best_ms(lambda: F.linear(x, weight_x), args.repeats),
                "int4 (fp16 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales16, None), args.repeats),
                "int4f (fp32 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales32, None), args.repeats),
-               "int8g (fp32 s,m)": best_ms(lambda: cpu.gguf_int8g_linear(x, codes8, scales8, None), args.repeats)}
+               "int8g (fp32 s,m)": best_ms(lambda: cpu.gguf_int8g_linear(x, codes8, scales8, None), args.repeats),
+               "int4 x int8 (fp16 d,m)": best_ms(lambda: cpu.int4_q8_linear(x, qweight, scales16, None), args.repeats)}
         print(f"M={m}: " + "  ".join(f"{name} {ms:.2f}" for name, ms in row.items()))
 
 

@@ -10,7 +10,8 @@
              (``--quantization gguf``, activations in Tandem's default dtype: bf16 where the CPU
              has it, float32 otherwise; ``--int4-file`` picks Q4_1 (default), Q4_0 or, for
              ``--model bench-1b``, Q4_K_M, quantized by the ``llama-quantize`` beside
-             ``--llama-server``)
+             ``--llama-server``; ``-- --int4-activations int8`` gives Tandem llama.cpp's
+             numerics, activations quantized to 8 bits per 32 values)
 
 For the default model the BF16 and Q8_0 files are its GGUF with every matrix dequantized and
 re-encoded (``bench/gguf_files.py``); for ``--model bench-1b`` (Llama-3.2-1B's shape, random
