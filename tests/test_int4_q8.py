@@ -75,7 +75,7 @@ def test_zero_activations_give_the_bias_and_the_error_against_the_exact_matmul_i
     exact = tandem_kernels.cpu.int4_linear(x, qweight, scales, None)
     approx = tandem_kernels.cpu.int4_q8_linear(x, qweight, scales, None)
     assert not torch.equal(approx, exact)  # the activations were rounded
-    assert ((approx - exact).norm() / exact.norm()).item() < 0.01  # ~0.3% for Gaussian x
+    assert ((approx - exact).norm() / exact.norm()).item() < 0.01  # ~0.5% for Gaussian x
 
 
 def test_the_option_is_refused_where_it_does_not_apply(q4_gguf):
