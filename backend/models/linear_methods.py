@@ -78,6 +78,7 @@ import tandem_kernels.cpu
 from tandem_kernels import ops as kernels
 from backend.models.int4_weights import quantize_int4
 from backend.models.linear import LinearBase, LinearMethod
+from backend.types.config import INT4_QUANTIZATIONS
 
 
 # Entries in each oneDNN cache: a step uses ~5 linear shapes at its row count (layers of one
@@ -314,7 +315,7 @@ def release_weight(layer: LinearBase) -> None:
 def linear_method_for(device: torch.device, dtype: torch.dtype, quantization: Optional[str],
                       int4_activations: str = "exact") -> LinearMethod:
     """The method every linear layer runs; ``int4_activations``: "exact" or "int8" (4-bit CPU layers)."""
-    if int4_activations != "exact" and (device.type != "cpu" or quantization not in ("int4", "gguf", "awq", "gptq")):
+    if int4_activations != "exact" and (device.type != "cpu" or quantization not in INT4_QUANTIZATIONS):
         raise ValueError(f"int4_activations={int4_activations!r} applies to 4-bit weights on the CPU")
     int8_activations = int4_activations == "int8"
     if quantization is not None:

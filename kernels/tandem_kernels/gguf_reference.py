@@ -70,17 +70,17 @@ def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
     """csrc/int4_q8.cpp's contract: x quantized by ``quantize_q8_groups``, the int4 / int4f weights'
     codes (0..15) and (d, m) [N, K / 32, 2] fp16 or fp32; out [M, N] in x's dtype is
-    sum_g (d * s) * dot + (m * s) * xs (dot and xs the group's exact integer sums), here in float64
-    (the kernel's fp32 sums agree to rounding)."""
+    sum_g (d * s) * dot + (m * s) * xs (dot and xs the group's exact integer sums), here as two
+    float64 matmuls (the kernel's fp32 sums agree to rounding)."""
     q, s = quantize_q8_groups(x)
-    m_rows, n = x.shape[0], qweight.shape[0]
+    n = qweight.shape[0]
     codes = qweight.view(n, -1, 16)  # [N, G, 16]
     w = torch.cat([codes & 15, codes >> 4], dim=2).double()  # [N, G, 32]
-    qg = q.view(m_rows, -1, Q8_GROUP).double()  # [M, G, 32]
-    dot = torch.einsum("mgk,ngk->mng", qg, w)  # [M, N, G], exact integers
-    xs = qg.sum(dim=2)  # [M, G]
-    dm, s64 = scales.double(), s.double()
-    out = (dot * dm[None, :, :, 0] * s64[:, None, :]).sum(2) + (dm[None, :, :, 1] * (s64 * xs)[:, None, :]).sum(2)
+    dm = scales.double()  # [N, G, 2]
+    s64 = s.double()  # [M, G]
+    qs = (q.double().view(x.shape[0], -1, Q8_GROUP) * s64[..., None]).flatten(1)  # [M, K]: q * s
+    xs = q.double().view(x.shape[0], -1, Q8_GROUP).sum(2) * s64  # [M, G]: s * sum q
+    out = qs @ (w * dm[..., :1]).flatten(1).T + xs @ dm[..., 1].T  # [M, N]
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype)

@@ -3,7 +3,7 @@
 // 4-bit GGUF types (Q4_0 x Q8_0 and Q4_K x Q8_K). Faster than int4_linear (no weight is ever
 // converted to a float), but the activations are rounded: results are not the dequantized model's.
 //
-// x [M, K] float32 or bf16 is quantized row by row, group by group (tandem_kernels.reference.
+// x [M, K] float32 or bf16 is quantized row by row, group by group (tandem_kernels.gguf_reference.
 // quantize_q8_groups, the contract): a = max |x| over the group's 32 values, s = a / 127,
 // q = round_half_even(x * (127 / a)) in [-127, 127] (all zero where a = 0), computed in fp32. Then
 //     out[m, n] = sum_g  (d[n, g] * s[m, g]) * dot[m, n, g]  +  (mw[n, g] * s[m, g]) * xs[m, g]
