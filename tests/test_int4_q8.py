@@ -61,8 +61,25 @@ def test_kernel_meets_its_reference(n, k, m, dtype, float_scales):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     else:  # and one bf16 rounding of the result
         torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=1e-2)
-    # a row's result does not depend on the rows beside it
-    assert torch.equal(tandem_kernels.cpu.int4_q8_linear(x[-1:].contiguous(), qweight, scales, bias), got[-1:])
+    for row in range(m):  # a row's result does not depend on the rows beside it (tiles of 4, 3, 2, 1)
+        alone = tandem_kernels.cpu.int4_q8_linear(x[row:row + 1].contiguous(), qweight, scales, bias)
+        assert torch.equal(alone, got[row:row + 1]), row
+
+
+@needs_kernels
+def test_kernel_rounds_ties_to_even_and_passes_a_nan_on():
+    qweight, scales = weights(8, 64, float_scales=False)
+    x = torch.zeros(2, 64)
+    x[0, :4] = torch.tensor([127.0, 4.5, 5.5, -2.5])  # a step of 1: 4, 6, -2 (half away from zero: 5, 6, -3)
+    x[0, 32:] = torch.randn(32)
+    x[1, 3] = float("nan")  # one NaN in row 1's first group
+    got = tandem_kernels.cpu.int4_q8_linear(x, qweight, scales, None)
+    ref = G.int4_q8_linear(x, qweight, scales, None)
+    torch.testing.assert_close(got[:1], ref[:1], rtol=1e-6, atol=1e-6)
+    assert got[1].isnan().all() and ref[1].isnan().all()
+    away = x[:1].clone()
+    away[0, 1:4] = torch.tensor([5.0, 6.0, -3.0])  # what half away from zero would give
+    assert not torch.equal(got[:1], G.int4_q8_linear(away, qweight, scales, None))
 
 
 @needs_kernels
@@ -101,6 +118,10 @@ def test_gguf_with_int8_activations_runs_the_integer_kernel_batched_as_alone(q4_
     batched = run_engine(engine, prompts, params)
     assert calls and all(len(out) == 12 for out in batched)
     assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
+    calls.clear()  # the default, CPU decode graphs: traced with the op, replayed
+    assert run_engine(gguf_engine(q4_gguf, quantization="gguf", dtype="float32", int4_activations="int8"),
+                      prompts, params) == batched
+    assert calls
 
 
 @needs_kernels

@@ -43,8 +43,8 @@
                               sm_80 / sm_90a in CI, not yet run on a GPU). With
                               ``int4_activations="int8"`` (CPU) the activations are quantized to
                               8 bits per 32 values and the products are integer dot products
-                              (csrc/int4_q8.cpp, llama.cpp's numerics for 4-bit GGUF): faster,
-                              approximate
+                              (csrc/int4_q8.cpp, as llama.cpp runs its 4-bit GGUF types): faster
+                              on AVX2, approximate
     GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
                               packed for the int4 kernel, its Q4_K layers as 4-bit codes with fp32
                               scales, Q5_K / Q6_K / Q8_0 (and mixed) layers in a grouped int8
@@ -298,8 +298,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp16_scales_if_finite(scales: torch.Tensor) -> torch.Tensor:
     """int4f's fp32 (d, m) [N, G, 2] as fp16 for the int8-activation kernel, when every value
-    stays finite: 20 bytes a 32-weight group instead of 24, the bytes a decode step streams. The
-    rounding (d to 11 significant bits, ~0.02%) is far below the activations' (8 bits, ~0.4%)."""
+    stays finite: 20 bytes a 32-weight group instead of 24, the bytes a decode step streams. Both
+    are rounded to 11 significant bits (~0.02%; m's error is shared by the group's 32 weights), far
+    below the activations' rounding (8 bits, ~0.4%)."""
     half = scales.half()
     return half if bool(torch.isfinite(half).all()) else scales
 

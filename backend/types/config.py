@@ -85,8 +85,9 @@ FIELD_HELP = {
                     "float16 activations (a Triton kernel) (default: the checkpoint's precision)",
     "int4_activations": "the activations of the 4-bit CPU matmuls (int4, gguf, awq, gptq): exact (default: "
                         "--dtype's, the model with its weights dequantized) or int8 (quantized to 8 bits per "
-                        "32 values before each 4-bit matmul, integer dot products, as llama.cpp runs its 4-bit "
-                        "GGUF types: faster, approximate; tokens may differ from the dequantized model's)",
+                        "32 values before each 4-bit matmul, integer dot products, much as llama.cpp runs its "
+                        "4-bit GGUF types: faster on AVX2 CPUs, approximate; tokens may differ from the "
+                        "dequantized model's; a GGUF file's other quantized layers are unchanged)",
     "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
                       "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
                       "in the same memory, half the bytes attention reads); approximate; CPU only",

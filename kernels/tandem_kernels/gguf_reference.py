@@ -58,11 +58,12 @@ Q8_GROUP = 32  # activations per 8-bit scale (int4_q8_linear)
 
 def quantize_q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float32 or bf16 -> (q [M, K] int8, s [M, K / 32] float32), per 32-wide group: a =
-    max |x|, s = a / 127, q = round_half_even(x * (127 / a)) (zero where a = 0), in fp32."""
+    max |x|, s = a / 127, q = round_half_even(x * (127 / a)) (zero where a = 0; a group holding a
+    NaN: q zero, s NaN), in fp32."""
     groups = x.float().view(x.shape[0], -1, Q8_GROUP)  # [M, G, 32]
-    a = groups.abs().amax(dim=2, keepdim=True)  # [M, G, 1]
+    a = groups.abs().amax(dim=2, keepdim=True)  # [M, G, 1], NaN where the group holds one
     inv = torch.where(a > 0, 127.0 / a, torch.zeros_like(a))
-    q = torch.round(groups * inv).clamp(-127, 127).to(torch.int8)
+    q = torch.round(torch.nan_to_num(groups * inv, nan=0.0)).clamp(-127, 127).to(torch.int8)
     return q.view(x.shape), (a / 127.0).squeeze(2)
 
 
@@ -70,8 +71,9 @@ def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
     """csrc/int4_q8.cpp's contract: x quantized by ``quantize_q8_groups``, the int4 / int4f weights'
     codes (0..15) and (d, m) [N, K / 32, 2] fp16 or fp32; out [M, N] in x's dtype is
-    sum_g (d * s) * dot + (m * s) * xs (dot and xs the group's exact integer sums), here as two
-    float64 matmuls (the kernel's fp32 sums agree to rounding)."""
+    sum_g (d * s) * dot + m * (s * xs) (dot and xs the group's exact integer sums), here as two
+    float64 matmuls (the kernel's fp32 sums agree to rounding). The tests' oracle: it builds the
+    float64 [N, K] weight every call."""
     q, s = quantize_q8_groups(x)
     n = qweight.shape[0]
     codes = qweight.view(n, -1, 16)  # [N, G, 16]

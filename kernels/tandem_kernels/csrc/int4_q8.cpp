@@ -1,20 +1,25 @@
 // int4_q8_linear: int4_linear's weights (the int4 and int4f layouts, int4_linear.cpp) against
-// activations quantized to 8 bits per 32 values, with integer dot products, as llama.cpp runs its
-// 4-bit GGUF types (Q4_0 x Q8_0 and Q4_K x Q8_K). Faster than int4_linear (no weight is ever
-// converted to a float), but the activations are rounded: results are not the dequantized model's.
+// activations quantized to 8 bits per 32 values, with integer dot products. This is how llama.cpp
+// runs its 4-bit GGUF types, most like its Q4_0 x Q8_0 (here the activations' scales are fp32, and
+// one per 32 values for Q4_K too, where llama.cpp's Q8_K has one per 256). Faster than int4_linear on
+// AVX2 (no weight is ever converted to a float), but the activations are rounded: the results are
+// not the dequantized model's.
 //
 // x [M, K] float32 or bf16 is quantized row by row, group by group (tandem_kernels.gguf_reference.
 // quantize_q8_groups, the contract): a = max |x| over the group's 32 values, s = a / 127,
-// q = round_half_even(x * (127 / a)) in [-127, 127] (all zero where a = 0), computed in fp32. Then
-//     out[m, n] = sum_g  (d[n, g] * s[m, g]) * dot[m, n, g]  +  (mw[n, g] * s[m, g]) * xs[m, g]
+// q = round_half_even(x * (127 / a)) in [-127, 127] (all zero where a = 0; a group holding a NaN
+// gets s = NaN, so its row's outputs are NaN, as the exact kernel's), computed in fp32. Then
+//     out[m, n] = sum_g (d[n, g] * s[m, g]) * dot[m, n, g]  +  sum_g mw[n, g] * (s[m, g] * xs[m, g])
 // with dot = sum_i qw[n, 32 g + i] * q[m, 32 g + i] (qw the 4-bit code, 0..15) and xs = sum_i q,
-// both exact integers, the two products and the sums in fp32 (the first in 8 lanes over the groups,
-// summed in a fixed tree, then the second added group by group), plus the bias, rounded once to x's
-// dtype. The order depends on K only: a row's result does not depend on M.
+// both exact integers. The products and sums are fp32: the first sum in 8 lanes over the groups,
+// the lanes summed in a fixed tree; the second in one accumulator, group by group, added after it;
+// then the bias, rounded once to x's dtype. The order depends on K only: a row's result does not
+// depend on M.
 //
 // With AVX2, 32 products of a 4-bit code (unsigned) and an 8-bit activation (signed) are one
-// vpmaddubsw; other targets run the same arithmetic in plain loops (every partial sum is an exact
-// integer until it is scaled, so the builds agree to the rounding of the fp32 sums).
+// vpmaddubsw (a pair sums to at most 2 x 15 x 127: no saturation); other targets run the same
+// arithmetic in plain scalar loops (the same integer sums, so the builds agree to the rounding of the
+// fp32 sums; measured only on AVX2).
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
@@ -22,6 +27,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "common.h"
@@ -52,10 +58,15 @@ inline float as_float(T v) { return static_cast<float>(v); }
 template <typename T>
 inline void quantize_group(const T* x, int8_t* q, float* s, int32_t* xs) {
   float a = 0.0f;
-  for (int64_t i = 0; i < kGroup; ++i) a = std::max(a, std::fabs(as_float(x[i])));
-  if (!(a > 0.0f)) {  // all zero (a NaN group too: its row's outputs are garbage either way)
+  bool nan = false;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const float v = as_float(x[i]);
+    nan |= v != v;
+    a = std::max(a, std::fabs(v));
+  }
+  if (nan || !(a > 0.0f)) {  // all zero; or a NaN, passed on to the row's outputs through s
     std::memset(q, 0, kGroup);
-    *s = 0.0f;
+    *s = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
     *xs = 0;
     return;
   }
