@@ -22,6 +22,7 @@
 // the builds agree with each other (and the reference) to rounding, not bit for bit.
 
 #include "ops.h"
+#include "int4_args.h"
 #include "int4_vec.h"
 
 namespace tandem {
@@ -269,22 +270,8 @@ void int4_linear_dispatch(Tensor& out, const Tensor& x, const PackedWeights<S>& 
 // + bias [N] (any float dtype, or none); qweight [N, K / 2] uint8 and scales [N, K / 32, 2] fp16 or
 // float32 as above.
 Tensor int4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-              x.stride(1) == 1, "int4_linear: x must be float32 or bfloat16 [M, K] with contiguous rows");
-  const int64_t m_size = x.size(0), k_size = x.size(1);
-  TORCH_CHECK(k_size % kGroup == 0, "int4_linear: K (", k_size, ") must be a multiple of 32");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-              qweight.size(1) * 2 == k_size, "int4_linear: qweight must be contiguous uint8 [N, K / 2]");
-  const int64_t n_size = qweight.size(0);
-  TORCH_CHECK(scales.dim() == 3 && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-              scales.is_contiguous() && scales.size(0) == n_size && scales.size(1) == k_size / kGroup &&
-              scales.size(2) == 2, "int4_linear: scales must be contiguous float16 or float32 [N, K / 32, 2]");
-  Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n_size, "int4_linear: bias must have N elements");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const Tensor bias_f = check_int4_linear_args("int4_linear", x, qweight, scales, bias);
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = qweight.size(0);
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   Tensor out = at::empty({m_size, n_size}, x.options());
   if (m_size == 0 || n_size == 0) return out;
