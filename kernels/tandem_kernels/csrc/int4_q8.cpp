@@ -236,33 +236,13 @@ void int4_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t 
   });
 }
 
-template <typename S>
-void int4_q8_dispatch(Tensor& out, const Tensor& x, const Weights<S>& w, int64_t n_size, const float* bias) {
-  const int64_t m_size = x.size(0), k_size = x.size(1);
-  if (x.scalar_type() == at::kFloat)
-    int4_q8_impl(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), m_size, k_size, w, n_size, bias);
-  else
-    int4_q8_impl(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.stride(0), m_size, k_size, w,
-                 n_size, bias);
-}
-
 }  // namespace
 
 // out [M, N] (x's dtype) = the header's sum for x [M, K] (float32 or bf16, rows contiguous), qweight
 // [N, K / 2] uint8 and scales [N, K / 32, 2] fp16 or float32 (int4_linear's layouts), + bias [N].
 Tensor int4_q8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
-  const Tensor bias_f = check_int4_linear_args("int4_q8_linear", x, qweight, scales, bias);
-  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = qweight.size(0);
-  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  Tensor out = at::empty({m_size, n_size}, x.options());
-  if (m_size == 0 || n_size == 0) return out;
-  const int64_t groups = k_size / kGroup;
-  if (scales.scalar_type() == at::kHalf)
-    int4_q8_dispatch(out, x, Weights<uint16_t>{qweight.data_ptr<uint8_t>(),
-                     reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), groups}, n_size, b);
-  else
-    int4_q8_dispatch(out, x, Weights<float>{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups}, n_size, b);
-  return out;
+  return run_int4_linear<Weights>("int4_q8_linear", x, qweight, scales, bias,
+                                  [](const auto&... args) { int4_q8_impl(args...); });
 }
 
 }  // namespace tandem
