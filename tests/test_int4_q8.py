@@ -106,6 +106,16 @@ def test_the_option_is_refused_where_it_does_not_apply(q4_gguf):
 
 
 @needs_kernels
+def test_a_gguf_file_without_4bit_layers_refuses_int8_activations(tmp_path):
+    path = tmp_path / "tiny-q8.gguf"
+    write_tiny_llama_gguf(path, lambda name: None if "norm" in name else "Q8_0", untied=True)
+    with pytest.raises(InvalidRequestError, match="has none") as refused:
+        gguf_engine(path, quantization="gguf", dtype="float32", int4_activations="int8")
+    assert refused.value.param == "int4_activations"
+    gguf_engine(path, quantization="gguf", dtype="float32")  # exact: served
+
+
+@needs_kernels
 def test_gguf_with_int8_activations_runs_the_integer_kernel_batched_as_alone(q4_gguf, monkeypatch):
     prompts = random_prompts([3, 17, 40], TINY_VOCAB)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

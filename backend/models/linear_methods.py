@@ -296,6 +296,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.float().contiguous()
 
 
+def runs_4bit_kernel(module: torch.nn.Module) -> bool:
+    """Whether a linear layer runs the 4-bit kernels (the int4 or int4f layout), so
+    ``int4_activations`` applies to it."""
+    return hasattr(module, "int4_weight") or getattr(module, "gguf_layout", None) == "int4f"
+
+
 def fp16_scales_if_finite(scales: torch.Tensor) -> torch.Tensor:
     """int4f's fp32 (d, m) [N, G, 2] as fp16 for the int8-activation kernel, when every value
     stays finite: 20 bytes a 32-weight group instead of 24, the bytes a decode step streams. Both

@@ -21,11 +21,12 @@ from backend.models.attention import Attention
 from backend.models.gguf_packed import attach_packed_weights
 from backend.models.int4_checkpoints import METHODS as CHECKPOINT_METHODS, attach_checkpoint_packs
 from backend.models.linear import LinearBase
-from backend.models.linear_methods import linear_method_for
+from backend.models.linear_methods import linear_method_for, runs_4bit_kernel
 from backend.models.loader import iter_weights
 from backend.models.registry import get_model_class
 from backend.models.vocab_parallel import VocabParallelEmbedding
 from backend.types.config import EngineConfig
+from backend.types.errors import InvalidRequestError
 from backend.types.sampling_params import SamplingParams
 from backend.worker import cuda_graphs
 from backend.worker.block_tables import BlockTables
@@ -93,6 +94,11 @@ class ModelRunner:
             if isinstance(module, LinearBase):
                 module.linear_method = method
                 method.process_weights_after_loading(module)
+        if self.config.int4_activations != "exact" and not any(map(runs_4bit_kernel, model.modules())):
+            raise InvalidRequestError(
+                f"int4_activations={self.config.int4_activations!r} applies to 4-bit layers, and "
+                f"{self.config.model!r} has none (its quantized layers are 5 bits or more): leave it exact.",
+                param="int4_activations")
         self.model = model.eval().requires_grad_(False)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if self.device.type == "cpu":  # the weights a decode step streams, onto 2 MB pages
