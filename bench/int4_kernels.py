@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem_kernels.cpu as cpu
+from tandem_kernels import gguf_reference
 from backend.models.int4_weights import quantize_int4
 
 
@@ -56,6 +57,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     scales32, weight_x = scales16.float(), weight.to(dtype)
     codes8, scales8 = int8g_weights(weight)
+    panels = (*gguf_reference.pack_int4_q8(qweight, scales16), args.n)  # int4_q8_linear's layout
     print(f"{cpu.loaded_library()[1].name} build, N={args.n} K={args.k}, {args.dtype} x, best of {args.repeats} (ms)")
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, args.k).to(dtype)  # [M, K]
@@ -63,7 +65,7 @@ def main() -> None:
                "int4 (fp16 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales16, None), args.repeats),
                "int4f (fp32 d,m)": best_ms(lambda: cpu.int4_linear(x, qweight, scales32, None), args.repeats),
                "int8g (fp32 s,m)": best_ms(lambda: cpu.gguf_int8g_linear(x, codes8, scales8, None), args.repeats),
-               "int4 x int8 (fp16 d,m)": best_ms(lambda: cpu.int4_q8_linear(x, qweight, scales16, None), args.repeats)}
+               "int4 x int8 (fp16 d,m)": best_ms(lambda: cpu.int4_q8_linear(x, *panels, None), args.repeats)}
         print(f"M={m}: " + "  ".join(f"{name} {ms:.2f}" for name, ms in row.items()))
 
 

@@ -35,6 +35,29 @@ def weights(n: int, k: int, float_scales: bool, seed: int = 0):
     return qweight, (scales.float() if float_scales else scales)
 
 
+def q8_kernel(x, qweight, scales, bias):
+    """The kernel on the int4 layout's weights, packed as it reads them."""
+    return tandem_kernels.cpu.int4_q8_linear(x, *G.pack_int4_q8(qweight, scales), qweight.shape[0], bias)
+
+
+@pytest.mark.parametrize("float_scales", [False, True], ids=["fp16-scales", "fp32-scales"])
+def test_panels_interleave_8_columns_and_unpack_exactly(float_scales):
+    n, k = 13, 64  # two panels, the second padded with 3 zero columns
+    qweight, scales = weights(n, k, float_scales)
+    codes, dm = G.pack_int4_q8(qweight, scales)
+    assert codes.shape == (2, k // 8, 32) and dm.shape == (2, k // 32, 2, 8) and dm.dtype == scales.dtype
+    halves = qweight.view(n, -1, 16)
+    code = torch.cat([halves & 15, halves >> 4], dim=2).view(n, k)  # [N, K]: the int4 layout's codes
+    for col, kk in [(0, 0), (5, 13), (8, 37), (12, 63)]:
+        p, j, c, b = col // 8, col % 8, kk // 8, kk % 8
+        byte = int(codes[p, c, 4 * j + b % 4])
+        assert (byte >> 4 if b >= 4 else byte & 15) == int(code[col, kk]), (col, kk)
+        assert dm[p, kk // 32, 0, j] == scales[col, kk // 32, 0] and dm[p, kk // 32, 1, j] == scales[col, kk // 32, 1]
+    assert not codes[1, :, 20:].any() and not dm[1, :, :, 5:].any()  # columns 13..15: zero codes and scales
+    back = G.unpack_int4_q8(codes, dm, n)
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+
+
 def test_quantize_q8_groups_rounds_each_group_to_its_own_scale():
     x = torch.zeros(2, 64)
     x[0, :32] = torch.linspace(-2.0, 1.0, 32)
@@ -50,19 +73,19 @@ def test_quantize_q8_groups_rounds_each_group_to_its_own_scale():
 @needs_kernels
 @pytest.mark.parametrize("float_scales", [False, True], ids=["fp16-scales", "fp32-scales"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,m", [(64, 256, 1), (37, 512, 2), (70, 1024, 9)])
+@pytest.mark.parametrize("n,k,m", [(64, 256, 1), (37, 512, 2), (70, 1024, 9), (21, 1024, 133)])
 def test_kernel_meets_its_reference(n, k, m, dtype, float_scales):
     qweight, scales = weights(n, k, float_scales)
     x = torch.randn(m, k).to(dtype)
     bias = torch.randn(n)
-    got, ref = tandem_kernels.cpu.int4_q8_linear(x, qweight, scales, bias), G.int4_q8_linear(x, qweight, scales, bias)
+    got, ref = q8_kernel(x, qweight, scales, bias), G.int4_q8_linear(x, qweight, scales, bias)
     assert got.dtype == dtype and got.shape == (m, n)
     if dtype == torch.float32:  # fp32 sums against float64's: rounding only
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     else:  # and one bf16 rounding of the result
         torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=1e-2)
-    for row in range(m):  # a row's result does not depend on the rows beside it (tiles of 4, 3, 2, 1)
-        alone = tandem_kernels.cpu.int4_q8_linear(x[row:row + 1].contiguous(), qweight, scales, bias)
+    for row in range(m):  # a row's result does not depend on the rows beside it (tiles of 4, 3, 2, 1;
+        alone = q8_kernel(x[row:row + 1].contiguous(), qweight, scales, bias)  # blocks of 128 rows at K=1024)
         assert torch.equal(alone, got[row:row + 1]), row
 
 
@@ -73,7 +96,7 @@ def test_kernel_rounds_ties_to_even_and_passes_a_nan_on():
     x[0, :4] = torch.tensor([127.0, 4.5, 5.5, -2.5])  # a step of 1: 4, 6, -2 (half away from zero: 5, 6, -3)
     x[0, 32:] = torch.randn(32)
     x[1, 3] = float("nan")  # one NaN in row 1's first group
-    got = tandem_kernels.cpu.int4_q8_linear(x, qweight, scales, None)
+    got = q8_kernel(x, qweight, scales, None)
     ref = G.int4_q8_linear(x, qweight, scales, None)
     torch.testing.assert_close(got[:1], ref[:1], rtol=1e-6, atol=1e-6)
     assert got[1].isnan().all() and ref[1].isnan().all()
@@ -86,11 +109,11 @@ def test_kernel_rounds_ties_to_even_and_passes_a_nan_on():
 def test_zero_activations_give_the_bias_and_the_error_against_the_exact_matmul_is_small():
     qweight, scales = weights(96, 2048, float_scales=True, seed=1)
     bias = torch.randn(96)
-    assert torch.equal(tandem_kernels.cpu.int4_q8_linear(torch.zeros(3, 2048), qweight, scales, bias),
+    assert torch.equal(q8_kernel(torch.zeros(3, 2048), qweight, scales, bias),
                        bias.expand(3, 96))
     x = torch.randn(4, 2048)
     exact = tandem_kernels.cpu.int4_linear(x, qweight, scales, None)
-    approx = tandem_kernels.cpu.int4_q8_linear(x, qweight, scales, None)
+    approx = q8_kernel(x, qweight, scales, None)
     assert not torch.equal(approx, exact)  # the activations were rounded
     assert ((approx - exact).norm() / exact.norm()).item() < 0.01  # ~0.5% for Gaussian x
 
@@ -143,8 +166,10 @@ def test_q4_k_layers_keep_fp16_scales_under_int8_activations(tmp_path):
     int8 = engine_for(mixed, quantization="gguf", dtype="float32", int4_activations="int8")
     modules = dict(int8.executor.worker.runner.model.named_modules())
     name = "model.layers.1.mlp.gate_up_proj"
-    assert modules[name].gguf_layout == "int4f" and modules[name].gguf_scales.dtype == torch.float16
-    assert exact[name].gguf_scales.dtype == torch.float32
-    torch.testing.assert_close(modules[name].gguf_scales.float(), exact[name].gguf_scales, rtol=1e-3, atol=1e-7)
+    codes, dm, n = modules[name].int4_q8_panels  # the integer kernel's panels, fp16 scales
+    assert dm.dtype == torch.float16 and exact[name].gguf_scales.dtype == torch.float32
+    qweight, scales = G.unpack_int4_q8(codes, dm, n)
+    assert torch.equal(qweight, exact[name].gguf_codes)
+    torch.testing.assert_close(scales.float(), exact[name].gguf_scales, rtol=1e-3, atol=1e-7)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert [len(out) for out in run_engine(int8, random_prompts([5, 11], 128), params)] == [8, 8]

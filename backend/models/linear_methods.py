@@ -75,6 +75,7 @@ from typing import Optional
 import torch
 
 import tandem_kernels.cpu
+from tandem_kernels import gguf_reference
 from tandem_kernels import ops as kernels
 from backend.models.int4_weights import quantize_int4
 from backend.models.linear import LinearBase, LinearMethod
@@ -197,25 +198,33 @@ class W8A8LinearMethod(Int8LinearMethod):
 class Int4LinearMethod(LinearMethod):
     """The int4 layout (and int4f, its fp32-scale form) on the device the layer's weight is on:
     ``tandem_kernels.ops.int4_linear`` (the C++ kernels on a CPU, the Triton dequant-GEMM on CUDA),
-    or with ``int8_activations`` (CPU) ``tandem_kernels.ops.int4_q8_linear``."""
+    or with ``int8_activations`` (CPU) ``tandem_kernels.ops.int4_q8_linear`` on the same weights
+    repacked once as its panels (``int4_q8_panels``: codes, scales, N)."""
     name = "int4"
 
     def __init__(self, int8_activations: bool = False) -> None:
         self.int8_activations = int8_activations
 
-    def _int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                     bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.int8_activations:
-            return kernels.int4_q8_linear(x, qweight, scales, bias)
-        return kernels.int4_linear(x, qweight, scales, bias)
+    def _hold_int4(self, layer: LinearBase, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+        """With int8 activations, keep (qweight, scales) as the integer kernel's panels and release
+        the loaded weight; return whether it did (else the caller keeps the int4 layout)."""
+        if not self.int8_activations:
+            return False
+        layer.int4_q8_panels = (*gguf_reference.pack_int4_q8(qweight, scales), qweight.shape[0])
+        release_weight(layer)
+        return True
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         require_int4_kernels(self.name, layer.weight.device)
-        layer.int4_weight, layer.int4_scales = quantize_int4(layer.weight.detach())
-        release_weight(layer)
+        qweight, scales = quantize_int4(layer.weight.detach())
+        if not self._hold_int4(layer, qweight, scales):
+            layer.int4_weight, layer.int4_scales = qweight, scales
+            release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return self._int4_matmul(x, layer.int4_weight, layer.int4_scales, bias)
+        if hasattr(layer, "int4_q8_panels"):
+            return kernels.int4_q8_linear(x, *layer.int4_q8_panels, bias)
+        return kernels.int4_linear(x, layer.int4_weight, layer.int4_scales, bias)
 
 
 class GgufLinearMethod(Int4LinearMethod):
@@ -240,30 +249,31 @@ class GgufLinearMethod(Int4LinearMethod):
                 break
             if layout == "int4f":
                 require_int4_kernels(self.name, device)
+                if self._hold_int4(layer, pack[0], fp16_scales_if_finite(pack[1])):
+                    return
             layer.gguf_layout, (layer.gguf_codes, layer.gguf_scales) = layout, tuple(t.to(device) for t in pack)
-            if layout == "int4f" and self.int8_activations:
-                layer.gguf_scales = fp16_scales_if_finite(layer.gguf_scales)
             release_weight(layer)
             return
         if packed is None:
             self.unpacked.process_weights_after_loading(layer)
             return
         require_int4_kernels(self.name, device)
-        layer.int4_weight, layer.int4_scales = (t.to(device) for t in packed)
         del layer.gguf_int4
-        release_weight(layer)
+        if not self._hold_int4(layer, *packed):
+            layer.int4_weight, layer.int4_scales = (t.to(device) for t in packed)
+            release_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if hasattr(layer, "gguf_codes"):
             if layer.gguf_layout == "int4f":
-                return self._int4_matmul(x, layer.gguf_codes, layer.gguf_scales, bias)
+                return kernels.int4_linear(x, layer.gguf_codes, layer.gguf_scales, bias)
             return tandem_kernels.cpu.gguf_int8g_linear(x, layer.gguf_codes, layer.gguf_scales, bias)
-        if hasattr(layer, "int4_weight"):
+        if runs_4bit_kernel(layer):
             return super().apply(layer, x, bias)
         return self.unpacked.apply(layer, x, bias)
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if hasattr(layer, "int4_weight") or hasattr(layer, "gguf_codes"):
+        if runs_4bit_kernel(layer) or hasattr(layer, "gguf_codes"):
             return super().apply_gated(layer, x, bias)
         return self.unpacked.apply_gated(layer, x, bias)
 
@@ -299,7 +309,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def runs_4bit_kernel(module: torch.nn.Module) -> bool:
     """Whether a linear layer runs the 4-bit kernels (the int4 or int4f layout), so
     ``int4_activations`` applies to it."""
-    return hasattr(module, "int4_weight") or getattr(module, "gguf_layout", None) == "int4f"
+    return (hasattr(module, "int4_weight") or hasattr(module, "int4_q8_panels")
+            or getattr(module, "gguf_layout", None) == "int4f")
 
 
 def fp16_scales_if_finite(scales: torch.Tensor) -> torch.Tensor:

@@ -275,11 +275,12 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return torch.ops.tandem_cpu.int4_linear(x, qweight, scales, bias)
 
 
-def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+def int4_q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """gguf_reference.int4_q8_linear: ``int4_linear``'s weights against x [M, K] float32/bf16
-    quantized to 8 bits per 32 values, integer dot products (csrc/int4_q8.cpp)."""
-    return torch.ops.tandem_cpu.int4_q8_linear(x, qweight, scales, bias)
+    """gguf_reference.int4_q8_linear: 4-bit weights (``gguf_reference.pack_int4_q8``'s panels of an
+    [N, K] weight) against x [M, K] float32/bf16 quantized to 8 bits per 32 values, integer dot
+    products (csrc/int4_q8.cpp) -> [M, N] in x's dtype."""
+    return torch.ops.tandem_cpu.int4_q8_linear(x, codes, scales, n, bias)
 
 
 def int8_bf16_available() -> bool:

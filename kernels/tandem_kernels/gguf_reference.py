@@ -67,10 +67,42 @@ def quantize_q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(x.shape), (a / 127.0).squeeze(2)
 
 
+Q8_PANEL = 8  # output columns a panel of ``pack_int4_q8`` interleaves
+
+
+def pack_int4_q8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 / int4f layout (qweight [N, K / 2] uint8, scales [N, K / 32, 2] fp16 or fp32) as the
+    panels csrc/int4_q8.cpp reads: codes [P, K / 8, 32] uint8 with P = ceil(N / 8), where chunk c's
+    bytes 4 j .. 4 j + 3 are column 8 p + j's and byte b holds the code of K index 8 c + b (low
+    nibble) and 8 c + 4 + b (high); scales [P, K / 32, 2, 8]: each group's 8 d, then 8 m. Columns past
+    N are zero. Lossless (``unpack_int4_q8`` inverts it)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    panels = -(-n // Q8_PANEL)
+    halves = qweight.view(n, -1, 16)  # [N, G, 16]: low nibbles K 0..15 of the group, high 16..31
+    codes = qweight.new_zeros(panels * Q8_PANEL, k)
+    codes[:n] = torch.cat([halves & 15, halves >> 4], dim=2).view(n, k)  # [N, K], 0..15
+    c = codes.view(panels, Q8_PANEL, k // 8, 2, 4)  # [P, column, chunk, low / high nibble, byte]
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(1, 2)  # [P, K / 8, column, byte]
+    dm = scales.new_zeros(panels * Q8_PANEL, *scales.shape[1:])
+    dm[:n] = scales
+    return packed.reshape(panels, k // 8, 32).contiguous(), dm.view(panels, Q8_PANEL, -1, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def unpack_int4_q8(codes: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_int4_q8``'s inverse: (qweight [N, K / 2], scales [N, K / 32, 2])."""
+    panels, chunks = codes.shape[:2]
+    c = codes.view(panels, chunks, Q8_PANEL, 4).transpose(1, 2)  # [P, column, chunk, byte]
+    k_codes = torch.stack([c & 15, c >> 4], dim=3).reshape(panels * Q8_PANEL, chunks * 8)[:n]  # [N, K]
+    groups = k_codes.view(n, -1, 2, 16)  # [N, G, low / high half of the group, 16]
+    qweight = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, -1)
+    return qweight, scales.permute(0, 3, 1, 2).reshape(panels * Q8_PANEL, -1, 2)[:n].contiguous()
+
+
 def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """csrc/int4_q8.cpp's contract: x quantized by ``quantize_q8_groups``, the int4 / int4f weights'
-    codes (0..15) and (d, m) [N, K / 32, 2] fp16 or fp32; out [M, N] in x's dtype is
+    """csrc/int4_q8.cpp's contract, on the int4 / int4f layout (the kernel reads it as
+    ``pack_int4_q8``'s panels): x quantized by ``quantize_q8_groups``, the weights' codes (0..15)
+    and (d, m) [N, K / 32, 2] fp16 or fp32; out [M, N] in x's dtype is
     sum_g (d * s) * dot + m * (s * xs) (dot and xs the group's exact integer sums), here as two
     float64 matmuls (the kernel's fp32 sums agree to rounding). The tests' oracle: it builds the
     float64 [N, K] weight every call."""

@@ -93,15 +93,15 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return (gguf_reference.int4f_linear if int4f else reference.int4_linear)(x, qweight, scales, bias)
 
 
-def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+def int4_q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``int4_linear``'s weights against x [M, K] quantized to 8 bits per 32 values, integer dot
-    products: ``gguf_reference.int4_q8_linear``'s contract (llama.cpp's numerics). CPU only."""
+    """4-bit weights (``gguf_reference.pack_int4_q8``'s panels) against x [M, K] quantized to 8 bits
+    per 32 values, integer dot products: ``gguf_reference.int4_q8_linear``'s contract. CPU only."""
     if x.is_cuda:
         raise NotImplementedError("int4_q8_linear runs on the CPU only")
     if _cpu_fast(x):
-        return cpu.int4_q8_linear(x, qweight, scales, bias)
-    return gguf_reference.int4_q8_linear(x, qweight, scales, bias)
+        return cpu.int4_q8_linear(x, codes, scales, n, bias)
+    return gguf_reference.int4_q8_linear(x, *gguf_reference.unpack_int4_q8(codes, scales, n), bias)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-// The arguments both 4-bit linears (int4_linear.cpp, int4_q8.cpp) check and convert alike, and their
+// The arguments the 4-bit linear (int4_linear.cpp) checks and converts, and its
 // dispatch on x's dtype and the scales' (fp16 bits or floats).
 #pragma once
 

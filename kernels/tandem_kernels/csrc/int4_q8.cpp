@@ -1,25 +1,33 @@
-// int4_q8_linear: int4_linear's weights (the int4 and int4f layouts, int4_linear.cpp) against
-// activations quantized to 8 bits per 32 values, with integer dot products. This is how llama.cpp
-// runs its 4-bit GGUF types, most like its Q4_0 x Q8_0 (here the activations' scales are fp32, and
-// one per 32 values for Q4_K too, where llama.cpp's Q8_K has one per 256). Faster than int4_linear on
-// AVX2 (no weight is ever converted to a float), but the activations are rounded: the results are
-// not the dequantized model's.
+// int4_q8_linear: 4-bit weights against activations quantized to 8 bits per 32 values, with integer
+// dot products, much as llama.cpp runs its 4-bit GGUF types (most like its Q4_0 x Q8_0; here the
+// activations' scales are fp32, and one per 32 values for Q4_K too, where llama.cpp's Q8_K has one per
+// 256). No weight is ever converted to a float, but the activations are rounded: the results are not
+// the dequantized model's (int4_linear.cpp computes those).
 //
-// x [M, K] float32 or bf16 is quantized row by row, group by group (tandem_kernels.gguf_reference.
-// quantize_q8_groups, the contract): a = max |x| over the group's 32 values, s = a / 127,
-// q = round_half_even(x * (127 / a)) in [-127, 127] (all zero where a = 0; a group holding a NaN
-// gets s = NaN, so its row's outputs are NaN, as the exact kernel's), computed in fp32. Then
-//     out[m, n] = sum_g (d[n, g] * s[m, g]) * dot[m, n, g]  +  sum_g mw[n, g] * (s[m, g] * xs[m, g])
-// with dot = sum_i qw[n, 32 g + i] * q[m, 32 g + i] (qw the 4-bit code, 0..15) and xs = sum_i q,
-// both exact integers. The products and sums are fp32: the first sum in 8 lanes over the groups,
-// the lanes summed in a fixed tree; the second in one accumulator, group by group, added after it;
-// then the bias, rounded once to x's dtype. The order depends on K only: a row's result does not
-// depend on M.
+// The weights come as panels (tandem_kernels.gguf_reference.pack_int4_q8 builds them from the int4 /
+// int4f layouts and defines them): 8 output columns interleaved, so that one 32-byte load holds 8 K
+// values of each, and the 8 fp32 lanes of a vector are 8 columns' sums:
+//     codes  [P, K / 8, 32] uint8, P = ceil(N / 8): chunk c of panel p, bytes 4 j .. 4 j + 3 are column
+//            8 p + j's; byte b holds the code (0..15) of K index 8 c + b in its low nibble and of
+//            8 c + 4 + b in its high one;
+//     scales [P, K / 32, 2, 8] fp16 or fp32: per panel and group, the 8 columns' d, then their m
+//            (the weight is d * code + m); columns past N are zero codes and zero scales.
 //
-// With AVX2, 32 products of a 4-bit code (unsigned) and an 8-bit activation (signed) are one
-// vpmaddubsw (a pair sums to at most 2 x 15 x 127: no saturation); other targets run the same
-// arithmetic in plain scalar loops (the same integer sums, so the builds agree to the rounding of the
-// fp32 sums; measured only on AVX2).
+// x [M, K] float32 or bf16 is quantized row by row, group by group (gguf_reference.quantize_q8_groups,
+// the contract): a = max |x| over the group's 32 values, s = a / 127, q = round_half_even(x * (127 / a))
+// in [-127, 127] (all zero where a = 0; a group holding a NaN gets s = NaN, so its row's outputs are
+// NaN, as the exact kernel's), computed in fp32. Then out[m, n] is one fp32 accumulator, over the
+// groups in order:
+//     acc = fma(float(dot), d * s, acc);  acc = fma(m, s * xs, acc)
+// with dot = sum_i code[n, 32 g + i] * q[m, 32 g + i] and xs = sum_i q[m, 32 g + i] (exact integers),
+// then + bias, rounded once to x's dtype. The order depends on K only: a row's result does not depend
+// on M.
+//
+// With AVX2, a chunk's 8 x 4 products of one row are one vpmaddubsw against the row's 4 activations
+// broadcast (a pair sums to at most 2 x 15 x 127; a group's 8 such sums stay below 2^15, so they add in
+// 16 bits), and one vpmaddwd per group widens the 8 columns' dots. Other targets run the same
+// arithmetic in plain loops (the same integer dots and the same fma chain: the builds agree exactly;
+// measured only on AVX2).
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
@@ -31,7 +39,6 @@
 #include <vector>
 
 #include "common.h"
-#include "int4_args.h"
 #include "int4_vec.h"
 #include "ops.h"
 
@@ -39,10 +46,11 @@ namespace tandem {
 namespace {
 
 constexpr int64_t kGroup = 32;       // weights per (d, m) pair and activations per scale, along K
-constexpr int64_t kGroupBytes = 16;  // two nibbles a byte
-constexpr int64_t kRowsAtOnce = 4;   // rows of x a weight group is unpacked for
-constexpr int64_t kTileCols = 2;     // weight rows per unit of work
-constexpr int64_t kPrefetchTiles = 8;  // tiles of weight rows asked for ahead
+constexpr int64_t kCols = 8;          // output columns a panel interleaves: one vector of fp32 lanes
+constexpr int64_t kChunkBytes = 32;   // a panel's 8 K values for each of its 8 columns, two a byte
+constexpr int64_t kChunksPerGroup = kGroup / 8;
+constexpr int64_t kRowsAtOnce = 4;    // rows of x a panel's chunk is unpacked for
+constexpr int64_t kBlockBytes = 1 << 17;  // the quantized rows of x one pass over the panels reads
 
 // x's rows, quantized: q [M, K] int8, s [M, G] float (the group's scale) and xs [M, G] int32.
 struct QuantizedRows {
@@ -102,153 +110,174 @@ QuantizedRows quantize_rows(const T* x, int64_t x_stride, int64_t m_size, int64_
   return r;
 }
 
-// The weights: row n's group g, its 16 code bytes and its (d, m) (fp16 bits or floats).
+// The panels: panel p's chunk c (32 code bytes) and its group g's scales (8 d, then 8 m).
 template <typename S>
-struct Weights {
-  const uint8_t* q;  // [N, K / 2]
-  const S* dm;       // [N, G, 2]
+struct Panels {
+  const uint8_t* codes;  // [P, K / 8, 32]
+  const S* dm;           // [P, G, 2, 8]
   int64_t groups;
-  const uint8_t* codes(int64_t n, int64_t g) const { return q + (n * groups + g) * kGroupBytes; }
-  float d(int64_t n, int64_t g) const { return scale_value(dm[(n * groups + g) * 2]); }
-  float m(int64_t n, int64_t g) const { return scale_value(dm[(n * groups + g) * 2 + 1]); }
+  const uint8_t* chunk(int64_t p, int64_t c) const { return codes + (p * groups * kChunksPerGroup + c) * kChunkBytes; }
+  const S* scales(int64_t p, int64_t g) const { return dm + (p * groups + g) * 2 * kCols; }
 };
 
-// The 8 lanes' sum in a fixed tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-inline float reduce8(const float* l) {
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+// out[row, 8 p + j] = acc[j] + bias, for the columns below N.
+template <typename T>
+inline void store_columns(T* out, int64_t n_size, int64_t row, int64_t p, const float* acc, const float* bias) {
+  const int64_t n0 = p * kCols, cols = std::min(kCols, n_size - n0);
+  for (int64_t j = 0; j < cols; ++j) out[row * n_size + n0 + j] = static_cast<T>(acc[j] + (bias ? bias[n0 + j] : 0.0f));
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum8(__m256 v) {
-  float l[8];
-  _mm256_storeu_ps(l, v);
-  return reduce8(l);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline __m256 load8(const uint16_t* half_bits) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits)));
+}
+inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
+
+inline __m256i broadcast4(const int8_t* q) {  // 4 activations in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, q, sizeof v);
+  return _mm256_set1_epi32(v);
 }
 
-// out[m0 + i, n0 + j] for i < MT, j < NT.
-template <int MT, int NT, typename T, typename S>
-__attribute__((noinline)) void q8_tile(T* out, int64_t n_size, const QuantizedRows& x, const Weights<S>& w,
-                                       const float* bias, int64_t m0, int64_t n0) {
+// Rows m0 .. m0 + MT - 1 against panel p.
+template <int MT, typename T, typename S>
+__attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
+                                          const float* bias, int64_t m0, int64_t p) {
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256 acc[MT][NT];
-  float macc[MT][NT];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) {
-      acc[i][j] = _mm256_setzero_ps();
-      macc[i][j] = 0.0f;
-    }
   const int64_t groups = x.groups;
-  const int8_t* xq_rows = x.q.data() + m0 * x.k_size;
-  const float* xs_rows = x.s.data() + m0 * groups * 2;
+  __m256 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i wq[NT];
-    __m256 d[NT];
-    float mw[NT];
-    for (int j = 0; j < NT; ++j) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes(n0 + j, g)));
-      // bytes 0..15: elements 0..15 (low nibbles); 16..31: elements 16..31 (high nibbles)
-      wq[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);
-      d[j] = _mm256_set1_ps(w.d(n0 + j, g));
-      mw[j] = w.m(n0 + j, g);
-    }
-    for (int i = 0; i < MT; ++i) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq_rows + i * x.k_size + g * kGroup));
-      const float* sc = xs_rows + (i * groups + g) * 2;  // (s, s * xs)
-      const __m256 s = _mm256_set1_ps(sc[0]);
-      for (int j = 0; j < NT; ++j) {
-        const __m256i pairs = _mm256_maddubs_epi16(wq[j], xq);  // 16 sums of 2 products, |.| <= 3810
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));  // 8 sums of 4, exact
-        acc[i][j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[j], s), acc[i][j]);
-        macc[i][j] += mw[j] * sc[1];
+    __m256i sum[MT];  // 16-bit: per column, two running sums of the group's products
+    for (int64_t c = 0; c < kChunksPerGroup; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
+      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xq = x.q.data() + (m0 + i) * x.k_size + g * kGroup + c * 8;
+        const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),
+                                              _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
+        sum[i] = c == 0 ? both : _mm256_add_epi16(sum[i], both);
       }
+    }
+    const S* dm = w.scales(p, g);
+    const __m256 d = load8(dm), m = load8(dm + kCols);
+    for (int i = 0; i < MT; ++i) {
+      const float* sc = x.s.data() + ((m0 + i) * groups + g) * 2;  // (s, s * xs)
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[i], ones));  // 8 columns' dots, exact
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(sc[0])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sc[1]), acc[i]);
     }
   }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) {
-      const float v = hsum8(acc[i][j]) + macc[i][j] + (bias ? bias[n0 + j] : 0.0f);
-      out[(m0 + i) * n_size + n0 + j] = static_cast<T>(v);
-    }
+  for (int i = 0; i < MT; ++i) {
+    float lanes[kCols];
+    _mm256_storeu_ps(lanes, acc[i]);
+    store_columns(out, n_size, m0 + i, p, lanes, bias);
+  }
 }
 #else
-// The same arithmetic in plain loops: lane l of a group's 8 holds elements 4 l .. 4 l + 3.
-template <int MT, int NT, typename T, typename S>
-void q8_tile(T* out, int64_t n_size, const QuantizedRows& x, const Weights<S>& w, const float* bias, int64_t m0,
-             int64_t n0) {
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) {
-      float lanes[8] = {};
-      float macc = 0.0f;
-      const int64_t row = m0 + i;
-      for (int64_t g = 0; g < x.groups; ++g) {
-        const uint8_t* bytes = w.codes(n0 + j, g);
-        const int8_t* xq = x.q.data() + row * x.k_size + g * kGroup;
-        const float* sc = x.s.data() + (row * x.groups + g) * 2;  // (s, s * xs)
-        const float scale = w.d(n0 + j, g) * sc[0];
-        for (int l = 0; l < 8; ++l) {
-          int32_t dot = 0;
-          for (int e = 4 * l; e < 4 * l + 4; ++e) {
-            const int code = e < 16 ? (bytes[e] & 15) : (bytes[e - 16] >> 4);
-            dot += code * xq[e];
-          }
-          lanes[l] = std::fma(static_cast<float>(dot), scale, lanes[l]);
+// The same arithmetic in plain loops.
+template <int MT, typename T, typename S>
+void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w, const float* bias, int64_t m0,
+                int64_t p) {
+  for (int i = 0; i < MT; ++i) {
+    const int64_t row = m0 + i;
+    float acc[kCols] = {};
+    for (int64_t g = 0; g < x.groups; ++g) {
+      const float* sc = x.s.data() + (row * x.groups + g) * 2;  // (s, s * xs)
+      const S* dm = w.scales(p, g);
+      for (int64_t j = 0; j < kCols; ++j) {
+        int32_t dot = 0;
+        for (int64_t c = 0; c < kChunksPerGroup; ++c) {
+          const uint8_t* bytes = w.chunk(p, g * kChunksPerGroup + c) + 4 * j;
+          const int8_t* xq = x.q.data() + row * x.k_size + g * kGroup + c * 8;
+          for (int b = 0; b < 4; ++b) dot += (bytes[b] & 15) * xq[b] + (bytes[b] >> 4) * xq[4 + b];
         }
-        macc += w.m(n0 + j, g) * sc[1];
+        acc[j] = std::fma(static_cast<float>(dot), scale_value(dm[j]) * sc[0], acc[j]);
+        acc[j] = std::fma(scale_value(dm[kCols + j]), sc[1], acc[j]);
       }
-      out[row * n_size + n0 + j] = static_cast<T>(reduce8(lanes) + macc + (bias ? bias[n0 + j] : 0.0f));
     }
+    store_columns(out, n_size, row, p, acc, bias);
+  }
 }
 #endif
 
-template <int NT, typename T, typename S>
-inline void q8_rows(T* out, int64_t n_size, const QuantizedRows& x, const Weights<S>& w, const float* bias,
-                    int64_t m0, int64_t mt, int64_t n0) {
-  switch (mt) {
-    case 4: q8_tile<4, NT>(out, n_size, x, w, bias, m0, n0); break;
-    case 3: q8_tile<3, NT>(out, n_size, x, w, bias, m0, n0); break;
-    case 2: q8_tile<2, NT>(out, n_size, x, w, bias, m0, n0); break;
-    default: q8_tile<1, NT>(out, n_size, x, w, bias, m0, n0); break;
-  }
-}
-
 template <typename T, typename S>
-void int4_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Weights<S>& w,
+void int4_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Panels<S>& w,
                   int64_t n_size, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size);
-  const int64_t row_bytes = w.groups * kGroupBytes;
-  // Each unit: kTileCols weight rows against every row of x, kRowsAtOnce rows at a time (the
-  // weight rows stay in cache while the rows of x pass over them).
-  at::parallel_for(0, (n_size + kTileCols - 1) / kTileCols, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileCols, n1 = std::min(n_size, n0 + kTileCols);
-      const int64_t ahead = n1 + (kPrefetchTiles - 1) * kTileCols;
-      for (int64_t n = ahead; n < std::min(n_size, ahead + kTileCols); ++n) {  // a later tile's rows
-        prefetch_run(w.q + n * row_bytes, row_bytes);
-        prefetch_run(w.dm + n * w.groups * 2, w.groups * 2);
+  const int64_t panels = (n_size + kCols - 1) / kCols;
+  const int64_t panel_bytes = k_size / 8 * kChunkBytes;
+  // Rows of x in blocks whose quantized bytes stay in cache while every panel passes over them; a
+  // panel's codes stay in cache while its block's rows pass over it, kRowsAtOnce at a time.
+  const int64_t block_rows = std::max<int64_t>(kRowsAtOnce, kBlockBytes / k_size / kRowsAtOnce * kRowsAtOnce);
+  for (int64_t b0 = 0; b0 < m_size; b0 += block_rows) {
+    const int64_t b1 = std::min(m_size, b0 + block_rows);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        if (p + 2 < end) {  // a later panel's codes and scales, while this one computes
+          prefetch_run(w.chunk(p + 2, 0), panel_bytes);
+          prefetch_run(w.scales(p + 2, 0), w.groups * 2 * kCols);
+        }
+        for (int64_t m0 = b0; m0 < b1; m0 += kRowsAtOnce) {
+          switch (std::min(kRowsAtOnce, b1 - m0)) {
+            case 4: panel_tile<4>(out, n_size, xq, w, bias, m0, p); break;
+            case 3: panel_tile<3>(out, n_size, xq, w, bias, m0, p); break;
+            case 2: panel_tile<2>(out, n_size, xq, w, bias, m0, p); break;
+            default: panel_tile<1>(out, n_size, xq, w, bias, m0, p); break;
+          }
+        }
       }
-      for (int64_t m0 = 0; m0 < m_size; m0 += kRowsAtOnce) {
-        const int64_t mt = std::min(kRowsAtOnce, m_size - m0);
-        int64_t n = n0;
-        if (mt <= 2)  // 16 ymm registers: two weight rows for up to two rows of x
-          for (; n + 2 <= n1; n += 2) q8_rows<2>(out, n_size, xq, w, bias, m0, mt, n);
-        for (; n < n1; ++n) q8_rows<1>(out, n_size, xq, w, bias, m0, mt, n);
-      }
-    }
-  });
+    });
+  }
 }
 
 }  // namespace
 
-// out [M, N] (x's dtype) = the header's sum for x [M, K] (float32 or bf16, rows contiguous), qweight
-// [N, K / 2] uint8 and scales [N, K / 32, 2] fp16 or float32 (int4_linear's layouts), + bias [N].
-Tensor int4_q8_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias) {
-  return run_int4_linear<Weights>("int4_q8_linear", x, qweight, scales, bias,
-                                  [](const auto&... args) { int4_q8_impl(args...); });
+// out [M, N] (x's dtype) = the header's sum for x [M, K] (float32 or bf16, rows contiguous), the panels
+// codes [ceil(N / 8), K / 8, 32] uint8 and scales [ceil(N / 8), K / 32, 2, 8] fp16 or float32, + bias [N].
+Tensor int4_q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, int64_t n_size,
+                      const c10::optional<Tensor>& bias) {
+  const char* op = "int4_q8_linear";
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.stride(1) == 1, op, ": x must be float32 or bfloat16 [M, K] with contiguous rows");
+  const int64_t m_size = x.size(0), k_size = x.size(1), panels = (n_size + kCols - 1) / kCols;
+  TORCH_CHECK(k_size % kGroup == 0, op, ": K (", k_size, ") must be a multiple of 32");
+  TORCH_CHECK(n_size >= 0 && codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+              codes.size(0) == panels && codes.size(1) * 8 == k_size && codes.size(2) == kChunkBytes,
+              op, ": codes must be contiguous uint8 [ceil(N / 8), K / 8, 32]");
+  TORCH_CHECK(scales.dim() == 4 && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+              scales.is_contiguous() && scales.size(0) == panels && scales.size(1) == k_size / kGroup &&
+              scales.size(2) == 2 && scales.size(3) == kCols,
+              op, ": scales must be contiguous float16 or float32 [ceil(N / 8), K / 32, 2, 8]");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n_size, op, ": bias must have N elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({m_size, n_size}, x.options());
+  if (m_size == 0 || n_size == 0) return out;
+  auto run = [&](const auto& w) {
+    if (x.scalar_type() == at::kFloat)
+      int4_q8_impl(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), m_size, k_size, w, n_size, b);
+    else
+      int4_q8_impl(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.stride(0), m_size, k_size, w,
+                   n_size, b);
+  };
+  const int64_t groups = k_size / kGroup;
+  if (scales.scalar_type() == at::kHalf)
+    run(Panels<uint16_t>{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                         groups});
+  else
+    run(Panels<float>{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups});
+  return out;
 }
 
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("int4_q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int4_q8_linear(Tensor x, Tensor codes, Tensor scales, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
