@@ -251,6 +251,8 @@ class GgufLinearMethod(Int4LinearMethod):
                 require_int4_kernels(self.name, device)
                 if self._hold_int4(layer, pack[0], fp16_scales_if_finite(pack[1])):
                     return
+            elif self._hold_int8g(layer, *pack):
+                return
             layer.gguf_layout, (layer.gguf_codes, layer.gguf_scales) = layout, tuple(t.to(device) for t in pack)
             release_weight(layer)
             return
@@ -263,7 +265,19 @@ class GgufLinearMethod(Int4LinearMethod):
             layer.int4_weight, layer.int4_scales = (t.to(device) for t in packed)
             release_weight(layer)
 
+    def _hold_int8g(self, layer: LinearBase, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        """With int8 activations, an int8g pack whose codes fit 6 bits (Q4_*, Q5_K and Q6_K parts;
+        not Q8_0's) becomes the integer kernel's panels (``int8g_q8_panels``: codes, scales, N)."""
+        if not self.int8_activations or not gguf_reference.int8g_fits_q8(codes):
+            return False
+        packed, sm = gguf_reference.pack_int8g_q8(codes, scales)
+        layer.int8g_q8_panels = (packed, fp16_scales_if_finite(sm), codes.shape[0])
+        release_weight(layer)
+        return True
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if hasattr(layer, "int8g_q8_panels"):
+            return tandem_kernels.cpu.int8g_q8_linear(x, *layer.int8g_q8_panels, bias)
         if hasattr(layer, "gguf_codes"):
             if layer.gguf_layout == "int4f":
                 return kernels.int4_linear(x, layer.gguf_codes, layer.gguf_scales, bias)
@@ -273,7 +287,7 @@ class GgufLinearMethod(Int4LinearMethod):
         return self.unpacked.apply(layer, x, bias)
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if runs_4bit_kernel(layer) or hasattr(layer, "gguf_codes"):
+        if runs_4bit_kernel(layer) or hasattr(layer, "gguf_codes") or hasattr(layer, "int8g_q8_panels"):
             return super().apply_gated(layer, x, bias)
         return self.unpacked.apply_gated(layer, x, bias)
 

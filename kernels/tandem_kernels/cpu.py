@@ -283,6 +283,14 @@ def int4_q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n
     return torch.ops.tandem_cpu.int4_q8_linear(x, codes, scales, n, bias)
 
 
+def int8g_q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """gguf_reference.int8g_q8_linear: int8g weights with 6-bit codes (``gguf_reference.pack_int8g_q8``'s
+    panels of an [N, K] weight) against x [M, K] float32/bf16 quantized to 8 bits per 32 values,
+    integer dot products (csrc/int8g_q8.cpp) -> [M, N] in x's dtype."""
+    return torch.ops.tandem_cpu.int8g_q8_linear(x, codes, scales, n, bias)
+
+
 def int8_bf16_available() -> bool:
     """Whether ``int8_linear_packed`` runs here: the kernels are loaded and built for AVX-512 BF16."""
     return available() and torch.ops.tandem_cpu.int8_bf16_available()

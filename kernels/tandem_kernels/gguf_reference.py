@@ -1,5 +1,6 @@
-"""Plain-torch twins of the grouped int8 GGUF kernel (csrc/gguf_linear.cpp): the oracle its tests
-compare against, and what runs where the kernels are not built.
+"""Plain-torch twins of the grouped int8 GGUF kernel (csrc/gguf_linear.cpp) and of the integer-dot
+kernels (csrc/int4_q8.cpp, csrc/int8g_q8.cpp), with the panel layouts the latter read: the oracles
+their tests compare against, and what runs where the kernels are not built.
 
     codes  [N, K] int8             scales [N, K / 16, 2] float32 (s, m): w = s * q + m
 """
@@ -115,6 +116,50 @@ def int4_q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     qs = (q.double().view(x.shape[0], -1, Q8_GROUP) * s64[..., None]).flatten(1)  # [M, K]: q * s
     xs = q.double().view(x.shape[0], -1, Q8_GROUP).sum(2) * s64  # [M, G]: s * sum q
     out = qs @ (w * dm[..., :1]).flatten(1).T + xs @ dm[..., 1].T  # [M, N]
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
+INT8G_Q8_OFFSET = 32  # int8g_q8_linear's codes: code + 32, so [-32, 31] (6 bits) must hold them
+
+
+def int8g_fits_q8(codes: torch.Tensor) -> bool:
+    """Whether int8g codes [N, K] fit ``pack_int8g_q8``'s 6 bits."""
+    return not codes.numel() or (int(codes.min()) >= -INT8G_Q8_OFFSET and int(codes.max()) < INT8G_Q8_OFFSET)
+
+
+def pack_int8g_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8g layout (codes [N, K] int8 in [-32, 31]: Q4_*, Q5_K and Q6_K parts; scales
+    [N, K / 16, 2] float32 (s, m)) as the panels csrc/int8g_q8.cpp reads: codes [P, K / 4, 32]
+    uint8, P = ceil(N / 8), chunk c's bytes 4 j .. 4 j + 3 holding column 8 p + j's codes of K
+    4 c .. 4 c + 3, each plus 32; scales [P, K / 16, 2, 8] float32: each group's 8 s, then 8
+    m' = m - 32 s (rounded once, in fp32). Columns past N are zero."""
+    if not int8g_fits_q8(codes):
+        raise ValueError("int8g_q8_linear needs codes in [-32, 31] (Q8_0's 8-bit codes do not fit)")
+    n, k = codes.shape
+    panels = -(-n // Q8_PANEL)
+    shifted = codes.new_zeros(panels * Q8_PANEL, k, dtype=torch.uint8)
+    shifted[:n] = (codes.to(torch.int16) + INT8G_Q8_OFFSET).to(torch.uint8)
+    packed = shifted.view(panels, Q8_PANEL, k // 4, 4).transpose(1, 2)  # [P, K / 4, column, byte]
+    sm = scales.new_zeros(panels * Q8_PANEL, k // INT8G_GROUP, 2)
+    sm[:n, :, 0] = scales[..., 0]
+    sm[:n, :, 1] = scales[..., 1] - INT8G_Q8_OFFSET * scales[..., 0]
+    return packed.reshape(panels, k // 4, 32).contiguous(), sm.view(panels, Q8_PANEL, -1, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def int8g_q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """csrc/int8g_q8.cpp's contract, on the int8g layout: x quantized by ``quantize_q8_groups``;
+    out [M, N] in x's dtype is sum_h (s * sx) * dot + m * (sx * xs) over the 16-wide groups (dot and
+    xs the group's exact integer sums, sx its 32-group's activation scale), here in float64 (the
+    kernel's fp32 sums, and its m', agree to rounding)."""
+    q, s = quantize_q8_groups(x)
+    m = x.shape[0]
+    qs = q.double().view(m, -1, Q8_GROUP) * s.double()[..., None]  # [M, G, 32]: q * sx
+    sw = scales.double()  # [N, K / 16, 2]
+    w = (codes.double().view(codes.shape[0], -1, INT8G_GROUP) * sw[..., :1]).flatten(1)  # [N, K]: s * code
+    out = qs.flatten(1) @ w.T + qs.view(m, -1, INT8G_GROUP).sum(2) @ sw[..., 1].T  # [M, N]
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype)

@@ -41,74 +41,17 @@
 #include "common.h"
 #include "int4_vec.h"
 #include "ops.h"
+#include "q8_rows.h"
 
 namespace tandem {
 namespace {
 
-constexpr int64_t kGroup = 32;       // weights per (d, m) pair and activations per scale, along K
+constexpr int64_t kGroup = kQ8Group;  // weights per (d, m) pair, along K
 constexpr int64_t kCols = 8;          // output columns a panel interleaves: one vector of fp32 lanes
 constexpr int64_t kChunkBytes = 32;   // a panel's 8 K values for each of its 8 columns, two a byte
 constexpr int64_t kChunksPerGroup = kGroup / 8;
 constexpr int64_t kRowsAtOnce = 4;    // rows of x a panel's chunk is unpacked for
 constexpr int64_t kBlockBytes = 1 << 17;  // the quantized rows of x one pass over the panels reads
-
-// x's rows, quantized: q [M, K] int8, s [M, G] float (the group's scale) and xs [M, G] int32.
-struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> s;       // [M, G, 2]: (s, s * xs) per group, the two factors the sum needs
-  std::vector<int32_t> xs;
-  int64_t k_size = 0, groups = 0;
-};
-
-template <typename T>
-inline float as_float(T v) { return static_cast<float>(v); }
-
-// One group of 32 values: the reference's arithmetic (fp32, round half to even).
-template <typename T>
-inline void quantize_group(const T* x, int8_t* q, float* s, int32_t* xs) {
-  float a = 0.0f;
-  bool nan = false;
-  for (int64_t i = 0; i < kGroup; ++i) {
-    const float v = as_float(x[i]);
-    nan |= v != v;
-    a = std::max(a, std::fabs(v));
-  }
-  if (nan || !(a > 0.0f)) {  // all zero; or a NaN, passed on to the row's outputs through s
-    std::memset(q, 0, kGroup);
-    *s = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-    *xs = 0;
-    return;
-  }
-  const float inv = 127.0f / a;
-  int32_t sum = 0;
-  for (int64_t i = 0; i < kGroup; ++i) {
-    float r = std::nearbyint(as_float(x[i]) * inv);  // the default rounding: to nearest even
-    r = std::min(127.0f, std::max(-127.0f, r));
-    q[i] = static_cast<int8_t>(r);
-    sum += q[i];
-  }
-  *s = a / 127.0f;
-  *xs = sum;
-}
-
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t x_stride, int64_t m_size, int64_t k_size) {
-  QuantizedRows r;
-  r.k_size = k_size;
-  r.groups = k_size / kGroup;
-  r.q.resize(m_size * k_size);
-  r.s.resize(m_size * r.groups * 2);
-  r.xs.resize(m_size * r.groups);
-  at::parallel_for(0, m_size * r.groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t m = t / r.groups, g = t % r.groups;
-      quantize_group(x + m * x_stride + g * kGroup, r.q.data() + m * k_size + g * kGroup, r.s.data() + 2 * t,
-                     r.xs.data() + t);
-      r.s[2 * t + 1] = r.s[2 * t] * static_cast<float>(r.xs[t]);
-    }
-  });
-  return r;
-}
 
 // The panels: panel p's chunk c (32 code bytes) and its group g's scales (8 d, then 8 m).
 template <typename S>
@@ -204,7 +147,7 @@ void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>&
 template <typename T, typename S>
 void int4_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Panels<S>& w,
                   int64_t n_size, const float* bias) {
-  const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size);
+  const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
   const int64_t panels = (n_size + kCols - 1) / kCols;
   const int64_t panel_bytes = k_size / 8 * kChunkBytes;
   // Rows of x in blocks whose quantized bytes stay in cache while every panel passes over them; a

@@ -1,0 +1,204 @@
+// int8g_q8_linear: the grouped int8 layout's weights (GGUF Q5_K / Q6_K parts, whose codes fit 6 bits)
+// against activations quantized to 8 bits per 32 values (q8_rows.h), with integer dot products: the
+// int8-activation twin of gguf_linear.cpp's int8g kernel, as int4_q8.cpp is int4_linear.cpp's.
+//
+// The weights come as panels (tandem_kernels.gguf_reference.pack_int8g_q8 builds them from codes
+// [N, K] int8 in [-32, 31] and scales [N, K / 16, 2] (s, m), the weight being s * code + m):
+//     codes  [P, K / 4, 32] uint8, P = ceil(N / 8): chunk c of panel p, bytes 4 j .. 4 j + 3 hold
+//            column 8 p + j's codes of K indices 4 c .. 4 c + 3, each plus 32 (0..63);
+//     scales [P, K / 16, 2, 8] fp16 or fp32: per panel and 16-group, the 8 columns' s, then their
+//            m' = m - 32 s (so that s * (code + 32) + m' is the weight); columns past N are zero.
+// out[m, n] is one fp32 accumulator over the 16-groups h in order (g = h / 2, the activations' group):
+//     acc = fma(float(dot), s * sx, acc);  acc = fma(m', sx * xs, acc)
+// with dot = sum_i (code + 32) * q and xs = sum_i q over the group's 16 values (exact integers) and sx
+// the activations' scale, then + bias, rounded once to x's dtype. The order depends on K only.
+//
+// With AVX2 a chunk's 8 x 4 products of one row are one vpmaddubsw (a pair sums to at most
+// 2 x 63 x 127; two chunks' sums stay below 2^15 and add in 16 bits) and one vpmaddwd per two chunks
+// widens them; other targets run the same arithmetic in plain loops (the builds agree exactly).
+//
+// Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
+
+#include <torch/library.h>
+
+#include "common.h"
+#include "int4_vec.h"
+#include "ops.h"
+#include "q8_rows.h"
+
+namespace tandem {
+namespace {
+
+constexpr int64_t kGroup = 16;       // weights per (s, m') pair, along K
+constexpr int64_t kCols = 8;         // output columns a panel interleaves: one vector of fp32 lanes
+constexpr int64_t kChunkBytes = 32;  // a panel's 4 K values for each of its 8 columns
+constexpr int64_t kChunksPerGroup = kGroup / 4;
+constexpr int64_t kRowsAtOnce = 4;
+constexpr int64_t kBlockBytes = 1 << 17;  // the quantized rows of x one pass over the panels reads
+
+template <typename S>
+struct Panels {
+  const uint8_t* codes;  // [P, K / 4, 32]
+  const S* sm;           // [P, K / 16, 2, 8]
+  int64_t groups;        // K / 16
+  const uint8_t* chunk(int64_t p, int64_t c) const { return codes + (p * groups * kChunksPerGroup + c) * kChunkBytes; }
+  const S* scales(int64_t p, int64_t h) const { return sm + (p * groups + h) * 2 * kCols; }
+};
+
+template <typename T>
+inline void store_columns(T* out, int64_t n_size, int64_t row, int64_t p, const float* acc, const float* bias) {
+  const int64_t n0 = p * kCols, cols = std::min(kCols, n_size - n0);
+  for (int64_t j = 0; j < cols; ++j) out[row * n_size + n0 + j] = static_cast<T>(acc[j] + (bias ? bias[n0 + j] : 0.0f));
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline __m256 load8(const uint16_t* half_bits) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits)));
+}
+inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
+
+inline __m256i broadcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+template <int MT, typename T, typename S>
+__attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
+                                          const float* bias, int64_t m0, int64_t p) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t h = 0; h < w.groups; ++h) {
+    __m256i dot[MT];
+    for (int64_t half = 0; half < 2; ++half) {  // chunks 2 half, 2 half + 1: 8 K values
+      const uint8_t* c = w.chunk(p, h * kChunksPerGroup + 2 * half);
+      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kChunkBytes));
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xq = x.q.data() + (m0 + i) * x.k_size + h * kGroup + 8 * half;
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(xq)),
+                                               _mm256_maddubs_epi16(c1, broadcast4(xq + 4)));
+        const __m256i sums = _mm256_madd_epi16(pairs, ones);
+        dot[i] = half == 0 ? sums : _mm256_add_epi32(dot[i], sums);
+      }
+    }
+    const S* sm = w.scales(p, h);
+    const __m256 s = load8(sm), m = load8(sm + kCols);
+    for (int i = 0; i < MT; ++i) {
+      const float* sc = x.s.data() + ((m0 + i) * w.groups + h) * 2;  // (sx, sx * xs)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(s, _mm256_set1_ps(sc[0])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sc[1]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    float lanes[kCols];
+    _mm256_storeu_ps(lanes, acc[i]);
+    store_columns(out, n_size, m0 + i, p, lanes, bias);
+  }
+}
+#else
+template <int MT, typename T, typename S>
+void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w, const float* bias, int64_t m0,
+                int64_t p) {
+  for (int i = 0; i < MT; ++i) {
+    const int64_t row = m0 + i;
+    float acc[kCols] = {};
+    for (int64_t h = 0; h < w.groups; ++h) {
+      const float* sc = x.s.data() + (row * w.groups + h) * 2;  // (sx, sx * xs)
+      const S* sm = w.scales(p, h);
+      for (int64_t j = 0; j < kCols; ++j) {
+        int32_t dot = 0;
+        for (int64_t c = 0; c < kChunksPerGroup; ++c) {
+          const uint8_t* codes = w.chunk(p, h * kChunksPerGroup + c) + 4 * j;
+          const int8_t* xq = x.q.data() + row * x.k_size + h * kGroup + 4 * c;
+          for (int b = 0; b < 4; ++b) dot += codes[b] * xq[b];
+        }
+        acc[j] = std::fma(static_cast<float>(dot), scale_value(sm[j]) * sc[0], acc[j]);
+        acc[j] = std::fma(scale_value(sm[kCols + j]), sc[1], acc[j]);
+      }
+    }
+    store_columns(out, n_size, row, p, acc, bias);
+  }
+}
+#endif
+
+template <typename T, typename S>
+void int8g_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Panels<S>& w,
+                   int64_t n_size, const float* bias) {
+  const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
+  const int64_t panels = (n_size + kCols - 1) / kCols;
+  const int64_t block_rows = std::max<int64_t>(kRowsAtOnce, kBlockBytes / k_size / kRowsAtOnce * kRowsAtOnce);
+  for (int64_t b0 = 0; b0 < m_size; b0 += block_rows) {
+    const int64_t b1 = std::min(m_size, b0 + block_rows);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        if (p + 2 < end) {  // a later panel's codes and scales, while this one computes
+          prefetch_run(w.chunk(p + 2, 0), k_size / 4 * kChunkBytes);
+          prefetch_run(w.scales(p + 2, 0), w.groups * 2 * kCols);
+        }
+        for (int64_t m0 = b0; m0 < b1; m0 += kRowsAtOnce) {
+          switch (std::min(kRowsAtOnce, b1 - m0)) {
+            case 4: panel_tile<4>(out, n_size, xq, w, bias, m0, p); break;
+            case 3: panel_tile<3>(out, n_size, xq, w, bias, m0, p); break;
+            case 2: panel_tile<2>(out, n_size, xq, w, bias, m0, p); break;
+            default: panel_tile<1>(out, n_size, xq, w, bias, m0, p); break;
+          }
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+// out [M, N] (x's dtype) = the header's sum for x [M, K] (float32 or bf16, rows contiguous), the panels
+// codes [ceil(N / 8), K / 4, 32] uint8 and scales [ceil(N / 8), K / 16, 2, 8] fp16 or float32, + bias [N].
+Tensor int8g_q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, int64_t n_size,
+                       const c10::optional<Tensor>& bias) {
+  const char* op = "int8g_q8_linear";
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.stride(1) == 1, op, ": x must be float32 or bfloat16 [M, K] with contiguous rows");
+  const int64_t m_size = x.size(0), k_size = x.size(1), panels = (n_size + kCols - 1) / kCols;
+  TORCH_CHECK(k_size % kQ8Group == 0, op, ": K (", k_size, ") must be a multiple of 32");
+  TORCH_CHECK(n_size >= 0 && codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+              codes.size(0) == panels && codes.size(1) * 4 == k_size && codes.size(2) == kChunkBytes,
+              op, ": codes must be contiguous uint8 [ceil(N / 8), K / 4, 32]");
+  TORCH_CHECK(scales.dim() == 4 && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+              scales.is_contiguous() && scales.size(0) == panels && scales.size(1) == k_size / kGroup &&
+              scales.size(2) == 2 && scales.size(3) == kCols,
+              op, ": scales must be contiguous float16 or float32 [ceil(N / 8), K / 16, 2, 8]");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n_size, op, ": bias must have N elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({m_size, n_size}, x.options());
+  if (m_size == 0 || n_size == 0) return out;
+  auto run = [&](const auto& w) {
+    if (x.scalar_type() == at::kFloat)
+      int8g_q8_impl(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), m_size, k_size, w, n_size, b);
+    else
+      int8g_q8_impl(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.stride(0), m_size, k_size, w,
+                    n_size, b);
+  };
+  const int64_t groups = k_size / kGroup;
+  if (scales.scalar_type() == at::kHalf)
+    run(Panels<uint16_t>{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                         groups});
+  else
+    run(Panels<float>{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups});
+  return out;
+}
+
+}  // namespace tandem
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("int8g_q8_linear(Tensor x, Tensor codes, Tensor scales, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("int8g_q8_linear", &tandem::int8g_q8_linear);
+}
