@@ -1,6 +1,7 @@
 """int8 activations for the GGUF layers in the grouped int8 layout whose codes fit 6 bits (Q5_K and
-Q6_K parts, as Q4_K_M files hold; csrc/int8g_q8.cpp): the panels, the kernel against its plain-torch
-contract (gguf_reference.int8g_q8_linear) and its batch invariance, and the engine option end to end."""
+Q6_K parts, as Q4_K_M files hold; csrc/int8g_q8.cpp): the panels (and the C++ packs of both integer
+kernels against their plain-torch contracts), the kernel against its plain-torch contract
+(gguf_reference.int8g_q8_linear) and its batch invariance, and the engine option end to end."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from test_gguf_blocks import engine_for, write_mixed_gguf
 
 import tandem_kernels.cpu
 from tandem_kernels import gguf_reference as G
+from backend.models.int4_weights import quantize_int4
 from backend.types.sampling_params import SamplingParams
 
 needs_kernels = pytest.mark.skipif(not tandem_kernels.cpu.available(), reason="needs the fused CPU kernels")
@@ -108,3 +110,43 @@ def test_q5_k_and_q6_k_layers_run_the_integer_kernel_and_q8_0_ones_stay_exact(tm
     batched = run_engine(engine, prompts, params)
     assert calls and all(len(out) == 12 for out in batched)
     assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
+
+
+@needs_kernels
+def test_the_load_time_packs_are_the_reference_packs():
+    for n, k in [(11, 64), (37, 512), (64, 2048)]:
+        codes, scales = int8g_weights(n, k, seed=n)
+        got, want = tandem_kernels.cpu.int8g_q8_pack(codes, scales), G.pack_int8g_q8(codes, scales)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        qweight, dm = quantize_int4(torch.randn(n, k))
+        for dm_dtype in (torch.float16, torch.float32):
+            got, want = tandem_kernels.cpu.int4_q8_pack(qweight, dm.to(dm_dtype)), G.pack_int4_q8(qweight, dm.to(dm_dtype))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[1].dtype == dm_dtype
+    with pytest.raises(RuntimeError, match=r"\[-32, 31\]"):
+        tandem_kernels.cpu.int8g_q8_pack(torch.full((8, 32), -33, dtype=torch.int8), torch.ones(8, 2, 2))
+
+
+@needs_kernels
+def test_the_panels_are_cached_beside_the_packs_and_mapped_on_the_next_load(tmp_path):
+    from backend.models.gguf_packed import PANEL_CACHE
+
+    mixed = write_mixed_gguf(tmp_path / "tiny-mixed.gguf")
+    first = engine_for(mixed, quantization="gguf", dtype="float32", int4_activations="int8")
+    cache = first.config.model_path / PANEL_CACHE
+    assert cache.is_file()
+    stamp = cache.stat().st_mtime_ns
+    again = engine_for(mixed, quantization="gguf", dtype="float32", int4_activations="int8")
+    assert cache.stat().st_mtime_ns == stamp  # read, not rewritten
+    before = dict(first.executor.worker.runner.model.named_modules())
+    after = dict(again.executor.worker.runner.model.named_modules())
+    for name, module in after.items():
+        for kind in ("int4_q8_panels", "int8g_q8_panels"):
+            if hasattr(module, kind):
+                assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b
+                           for a, b in zip(getattr(module, kind), getattr(before[name], kind))), name
+    assert hasattr(after["model.layers.1.mlp.gate_up_proj"], "int4_q8_panels")  # Q4_K | Q4_0
+    assert hasattr(after["model.layers.0.mlp.down_proj"], "int8g_q8_panels")  # Q6_K
+    assert after["model.layers.0.self_attn.qkv_proj"].gguf_layout == "int8g"  # Q8_0 rows: no panels
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts([5, 11], 128)
+    assert run_engine(again, prompts, params) == run_engine(first, prompts, params)

@@ -4,7 +4,8 @@ layout (backend/models/int4_weights.py, which holds both exactly), one of Q4_K (
 4-bit codes with fp32 scales (int4f), any other mix of the six types in the grouped int8 layout (backend/models/gguf_blocks.py: int8 codes, fp32 (s, m) per 16 weights),
 each part decoded by its own type, so a fused qkv or gate_up whose parts differ is a run of rows
 per part. A quantized type outside the six is refused, naming it and its tensor. The repack is done
-once and saved beside the converted checkpoint (``PACK_CACHE``); later loads map that file.
+once and saved beside the converted checkpoint (``PACK_CACHE``); later loads map that file. With
+``int4_activations="int8"`` the integer kernels' panels are cached the same way (``PANEL_CACHE``).
 
 The file is still converted once into a Hugging Face directory (backend/models/conversion.py:
 config, tokenizer, chat template, and every tensor dequantized). Before the model loads it,
@@ -25,15 +26,18 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
+
+import tandem_kernels.cpu
 
 from backend.models.gguf_blocks import INT4F_TYPES, int4f_from_gguf, int8g_from_gguf
 from backend.models.gguf_file import read_gguf
 from backend.models.int4_weights import int4_from_gguf
 from backend.models.linear import LinearBase
+from backend.models.linear_methods import int8_activation_panels
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ INT4_TYPES = ("Q4_0", "Q4_1")  # served by the int4 kernel when a layer is all o
 PACKED_TYPES = (*INT4_TYPES, "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")  # dequantized (converted) like any checkpoint
 PACK_CACHE = "tandem-gguf-packed-v2.pt"  # in the converted checkpoint's directory
+PANEL_CACHE = "tandem-gguf-int8-panels-v1.pt"  # beside it: the panels for int4_activations="int8"
 MODEL_TYPES = ("llama",)  # GGUF's llama tensor names and q/k row order
 
 
@@ -107,18 +112,34 @@ def pack_tensors(gguf_file: Path, hf_config) -> dict[str, tuple]:
     return packs
 
 
+def _mapped_cache(cache: Optional[Path], build: Callable[[], dict]) -> dict:
+    """``build()``, saved once at ``cache`` (when given) and memory-mapped from there on later loads."""
+    if cache is not None and cache.is_file():
+        return torch.load(cache, mmap=True, weights_only=True)
+    built = build()
+    if cache is not None:
+        partial = cache.with_suffix(f".partial-{os.getpid()}")
+        torch.save(built, partial)
+        os.replace(partial, cache)
+    return built
+
+
 def cached_packs(gguf_file: Path, hf_config, cache_dir: Optional[Path]) -> dict[str, tuple]:
     """``pack_tensors``, saved once under ``cache_dir`` (the converted checkpoint's directory, keyed
     by the file) and memory-mapped from there on later loads."""
-    cache = cache_dir / PACK_CACHE if cache_dir is not None else None
-    if cache is not None and cache.is_file():
-        return torch.load(cache, mmap=True, weights_only=True)
-    packs = pack_tensors(gguf_file, hf_config)
-    if cache is not None:
-        partial = cache.with_suffix(f".partial-{os.getpid()}")
-        torch.save(packs, partial)
-        os.replace(partial, cache)
-    return packs
+    return _mapped_cache(cache_dir / PACK_CACHE if cache_dir is not None else None,
+                         lambda: pack_tensors(gguf_file, hf_config))
+
+
+def cached_panels(packs: dict[str, tuple], cache_dir: Optional[Path]) -> dict[str, tuple]:
+    """``int4_activations="int8"``'s form of ``cached_packs``' result: name -> the panels its integer
+    kernel reads (``int8_activation_panels``), for every pack that kernel takes, saved once beside
+    the packs and memory-mapped on later loads (no repack, no copy at start-up)."""
+    def build() -> dict[str, tuple]:
+        panels = {name: int8_activation_panels(*pack) for name, pack in packs.items()}
+        return {name: form for name, form in panels.items() if form is not None}
+
+    return _mapped_cache(cache_dir / PANEL_CACHE if cache_dir is not None else None, build)
 
 
 def pack_replaces_weight(layer: LinearBase, layout: str) -> bool:
@@ -128,15 +149,20 @@ def pack_replaces_weight(layer: LinearBase, layout: str) -> bool:
     return not getattr(layer, "weight_is_shared", False) and (layout != "int8g" or layer.weight.device.type == "cpu")
 
 
-def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_dir: Optional[Path] = None) -> int:
+def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_dir: Optional[Path] = None,
+                          int8_panels: bool = False) -> int:
     """Set ``layer.gguf_int4`` / ``gguf_int4f`` / ``gguf_int8g`` = (codes, scales) on each
     linear layer of ``model`` whose GGUF tensors are all of PACKED_TYPES, and mark its weight
     ``weight_is_packed`` where the pack replaces it (``pack_replaces_weight``); call it before
-    ``model.load_weights``, which then skips those weights. Returns how many layers got a pack."""
+    ``model.load_weights``, which then skips those weights. With ``int8_panels`` (int8 activations,
+    the fused CPU kernels loaded) a layer whose integer kernel takes its pack gets ``layer.gguf_panels``
+    (``cached_panels``') instead. Returns how many layers got a pack."""
     check_gguf_model_type(hf_config)
     modules = dict(model.named_modules())
+    packs = cached_packs(gguf_file, hf_config, cache_dir)
+    panels = cached_panels(packs, cache_dir) if int8_panels and tandem_kernels.cpu.available() else {}
     packed = 0
-    for name, (layout, codes, scales) in cached_packs(gguf_file, hf_config, cache_dir).items():
+    for name, (layout, codes, scales) in packs.items():
         module = modules.get(name)
         if not isinstance(module, LinearBase):  # e.g. a layer of another pipeline stage
             continue
@@ -144,7 +170,10 @@ def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_di
         if (codes.shape[0], width) != tuple(module.weight.shape):
             raise ValueError(f"{gguf_file.name}: the packed {name} holds {codes.shape[0]} x {width} weights; "
                              f"the layer's weight is {tuple(module.weight.shape)}")
-        setattr(module, f"gguf_{layout}", (codes, scales))
+        if name in panels and module.weight.device.type == "cpu":
+            module.gguf_panels = panels[name]
+        else:
+            setattr(module, f"gguf_{layout}", (codes, scales))
         if pack_replaces_weight(module, layout):
             module.weight_is_packed = True
         packed += 1

@@ -43,12 +43,14 @@
                               sm_80 / sm_90a in CI, not yet run on a GPU). With
                               ``int4_activations="int8"`` (CPU) the activations are quantized to
                               8 bits per 32 values and the products are integer dot products
-                              (csrc/int4_q8.cpp, as llama.cpp runs its 4-bit GGUF types): faster
-                              on AVX2, approximate
+                              (csrc/int4_q8.cpp, as llama.cpp runs its 4-bit GGUF types), on the
+                              weights repacked once at load into 8-column panels: faster on
+                              AVX2, approximate
     GgufLinearMethod          CPU, ``quantization="gguf"``: a GGUF file's Q4_0 / Q4_1 weights kept
                               packed for the int4 kernel, its Q4_K layers as 4-bit codes with fp32
                               scales, Q5_K / Q6_K / Q8_0 (and mixed) layers in a grouped int8
-                              layout (csrc/gguf_linear.cpp)
+                              layout (csrc/gguf_linear.cpp; with int8 activations the layers
+                              whose codes fit 6 bits, Q5_K / Q6_K, csrc/int8g_q8.cpp)
                               (backend/models/gguf_packed.py); every other layer runs its
                               dequantized weight with the dtype's method; also
                               ``quantization="awq"`` / ``"gptq"``: a checkpoint's AWQ / GPTQ 4-bit
@@ -205,19 +207,20 @@ class Int4LinearMethod(LinearMethod):
     def __init__(self, int8_activations: bool = False) -> None:
         self.int8_activations = int8_activations
 
-    def _hold_int4(self, layer: LinearBase, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
-        """With int8 activations, keep (qweight, scales) as the integer kernel's panels and release
-        the loaded weight; return whether it did (else the caller keeps the int4 layout)."""
-        if not self.int8_activations:
+    def _hold_panels(self, layer: LinearBase, layout: str, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        """With int8 activations, keep a 4-bit or int8g pack as the integer kernel's panels
+        (``int4_q8_panels`` / ``int8g_q8_panels``: codes, scales, N) and release the loaded weight;
+        return whether it did (else the caller keeps the pack as it is)."""
+        panels = int8_activation_panels(layout, codes, scales) if self.int8_activations else None
+        if panels is None:
             return False
-        layer.int4_q8_panels = (*gguf_reference.pack_int4_q8(qweight, scales), qweight.shape[0])
-        release_weight(layer)
+        hold_panels(layer, panels)
         return True
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         require_int4_kernels(self.name, layer.weight.device)
         qweight, scales = quantize_int4(layer.weight.detach())
-        if not self._hold_int4(layer, qweight, scales):
+        if not self._hold_panels(layer, "int4", qweight, scales):
             layer.int4_weight, layer.int4_scales = qweight, scales
             release_weight(layer)
 
@@ -239,6 +242,10 @@ class GgufLinearMethod(Int4LinearMethod):
         layer's device. On CUDA an int8g layer (GGUF Q5_K / Q6_K / Q8_0 parts; no GPU kernel for
         that layout yet) drops its pack and runs the weight loaded beside it, dequantized."""
         device = layer.weight.device
+        if hasattr(layer, "gguf_panels"):  # int8 activations: the panels, from the GGUF repack cache
+            hold_panels(layer, layer.gguf_panels)
+            del layer.gguf_panels
+            return
         packed = getattr(layer, "gguf_int4", None)
         for layout in ("int8g", "int4f"):
             pack = getattr(layer, f"gguf_{layout}", None)
@@ -249,9 +256,7 @@ class GgufLinearMethod(Int4LinearMethod):
                 break
             if layout == "int4f":
                 require_int4_kernels(self.name, device)
-                if self._hold_int4(layer, pack[0], fp16_scales_if_finite(pack[1])):
-                    return
-            elif self._hold_int8g(layer, *pack):
+            if self._hold_panels(layer, layout, *pack):
                 return
             layer.gguf_layout, (layer.gguf_codes, layer.gguf_scales) = layout, tuple(t.to(device) for t in pack)
             release_weight(layer)
@@ -261,19 +266,9 @@ class GgufLinearMethod(Int4LinearMethod):
             return
         require_int4_kernels(self.name, device)
         del layer.gguf_int4
-        if not self._hold_int4(layer, *packed):
+        if not self._hold_panels(layer, "int4", *packed):
             layer.int4_weight, layer.int4_scales = (t.to(device) for t in packed)
             release_weight(layer)
-
-    def _hold_int8g(self, layer: LinearBase, codes: torch.Tensor, scales: torch.Tensor) -> bool:
-        """With int8 activations, an int8g pack whose codes fit 6 bits (Q4_*, Q5_K and Q6_K parts;
-        not Q8_0's) becomes the integer kernel's panels (``int8g_q8_panels``: codes, scales, N)."""
-        if not self.int8_activations or not gguf_reference.int8g_fits_q8(codes):
-            return False
-        packed, sm = gguf_reference.pack_int8g_q8(codes, scales)
-        layer.int8g_q8_panels = (packed, fp16_scales_if_finite(sm), codes.shape[0])
-        release_weight(layer)
-        return True
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if hasattr(layer, "int8g_q8_panels"):
@@ -334,6 +329,28 @@ def fp16_scales_if_finite(scales: torch.Tensor) -> torch.Tensor:
     below the activations' rounding (8 bits, ~0.4%)."""
     half = scales.half()
     return half if bool(torch.isfinite(half).all()) else scales
+
+
+def int8_activation_panels(layout: str, codes: torch.Tensor,
+                           scales: torch.Tensor) -> Optional[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """A CPU pack in the int4 / int4f or int8g layout as the panels of its integer kernel for int8
+    activations: ("int4_q8" | "int8g_q8", codes, scales, N), the scales in fp16 where every value
+    stays finite; None for an int8g pack whose codes do not fit 6 bits (Q8_0's: the float kernel)."""
+    n = codes.shape[0]
+    if layout == "int8g":
+        if not gguf_reference.int8g_fits_q8(codes):
+            return None
+        packed, sm = tandem_kernels.cpu.int8g_q8_pack(codes, scales)
+        return "int8g_q8", packed, fp16_scales_if_finite(sm), n
+    return ("int4_q8", *tandem_kernels.cpu.int4_q8_pack(codes, fp16_scales_if_finite(scales)), n)
+
+
+def hold_panels(layer: LinearBase, panels: tuple) -> None:
+    """Keep ``int8_activation_panels``' result on the layer (``int4_q8_panels`` / ``int8g_q8_panels``)
+    in place of its weight."""
+    kind, *held = panels
+    setattr(layer, f"{kind}_panels", tuple(held))
+    release_weight(layer)
 
 
 def release_weight(layer: LinearBase) -> None:

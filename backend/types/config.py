@@ -87,7 +87,7 @@ FIELD_HELP = {
                         "--dtype's, the model with its weights dequantized) or int8 (quantized to 8 bits per "
                         "32 values before each 4-bit matmul, integer dot products, much as llama.cpp runs its "
                         "4-bit GGUF types: faster on AVX2 CPUs, approximate; tokens may differ from the "
-                        "dequantized model's; a GGUF file's other quantized layers are unchanged)",
+                        "dequantized model's; in a GGUF file its Q5_K / Q6_K layers too, not its Q8_0 ones)",
     "kv_cache_dtype": "auto = the model's dtype; fp8 (= fp8_e4m3): K and V stored as float8 e4m3, "
                       "clamped to +-448 with no scaling factor, half of bf16's bytes (twice the blocks "
                       "in the same memory, half the bytes attention reads); approximate; CPU only",

@@ -87,7 +87,7 @@ class ModelRunner:
             weights = attach_checkpoint_packs(model, weights, self.config.quantization, self.config.hf_config)
         if self.config.quantization == "gguf":  # the file's quantized layers packed, their weights left unread
             attach_packed_weights(model, Path(self.config.model).expanduser(), self.config.hf_config,
-                                  self.config.model_path)
+                                  self.config.model_path, int8_panels=self.config.int4_activations == "int8")
         model.load_weights(weights)
         method = linear_method_for(self.device, self.dtype, self.config.quantization, self.config.int4_activations)
         for module in model.modules():

@@ -283,6 +283,17 @@ def int4_q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n
     return torch.ops.tandem_cpu.int4_q8_linear(x, codes, scales, n, bias)
 
 
+def int4_q8_pack(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf_reference.pack_int4_q8, in one parallel pass (csrc/int4_q8.cpp)."""
+    return torch.ops.tandem_cpu.int4_q8_pack(qweight, scales)
+
+
+def int8g_q8_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf_reference.pack_int8g_q8, in one parallel pass (csrc/int8g_q8.cpp); refuses codes outside
+    [-32, 31]."""
+    return torch.ops.tandem_cpu.int8g_q8_pack(codes, scales)
+
+
 def int8g_q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
                     bias: Optional[torch.Tensor]) -> torch.Tensor:
     """gguf_reference.int8g_q8_linear: int8g weights with 6-bit codes (``gguf_reference.pack_int8g_q8``'s

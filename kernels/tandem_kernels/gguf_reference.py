@@ -126,7 +126,10 @@ INT8G_Q8_OFFSET = 32  # int8g_q8_linear's codes: code + 32, so [-32, 31] (6 bits
 
 def int8g_fits_q8(codes: torch.Tensor) -> bool:
     """Whether int8g codes [N, K] fit ``pack_int8g_q8``'s 6 bits."""
-    return not codes.numel() or (int(codes.min()) >= -INT8G_Q8_OFFSET and int(codes.max()) < INT8G_Q8_OFFSET)
+    if not codes.numel():
+        return True
+    low, high = torch.aminmax(codes)
+    return int(low) >= -INT8G_Q8_OFFSET and int(high) < INT8G_Q8_OFFSET
 
 
 def pack_int8g_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,12 +31,11 @@
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstring>
-#include <limits>
-#include <vector>
+#include <tuple>
 
 #include "common.h"
 #include "int4_vec.h"
@@ -217,12 +216,59 @@ Tensor int4_q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scales
   return out;
 }
 
+// The panels of the int4 / int4f layout, qweight [N, K / 2] uint8 and scales [N, K / 32, 2] fp16 or
+// float32: gguf_reference.pack_int4_q8's (the contract), in one parallel pass.
+std::tuple<Tensor, Tensor> int4_q8_pack(const Tensor& qweight, const Tensor& scales) {
+  const char* op = "int4_q8_pack";
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 2 && qweight.scalar_type() == at::kByte &&
+              qweight.is_contiguous() && qweight.size(1) % 16 == 0, op, ": qweight must be contiguous uint8 [N, K / 2]");
+  const int64_t n_size = qweight.size(0), k_size = qweight.size(1) * 2, groups = k_size / kGroup;
+  TORCH_CHECK(scales.device().is_cpu() && scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == n_size &&
+              scales.size(1) == groups && scales.size(2) == 2 &&
+              (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
+              op, ": scales must be contiguous float16 or float32 [N, K / 32, 2]");
+  const int64_t panels = (n_size + kCols - 1) / kCols;
+  Tensor codes = at::zeros({panels, k_size / 8, kChunkBytes}, qweight.options());
+  Tensor dm = at::zeros({panels, groups, 2, kCols}, scales.options());
+  auto pack = [&](const auto* sc, auto* out_dm) {
+    const uint8_t* q = qweight.data_ptr<uint8_t>();
+    uint8_t* out = codes.data_ptr<uint8_t>();
+    at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t j = 0; j < kCols && p * kCols + j < n_size; ++j) {
+          const int64_t row = p * kCols + j;
+          for (int64_t g = 0; g < groups; ++g) {
+            // The group's 16 bytes as 4 words: bytes 8 c + b and 8 c + 4 + b (c = 0, 1; b < 4) hold K
+            // 8 c + b and 8 c + 4 + b in their low nibbles, 16 more in their high ones. Every
+            // operation below keeps to its byte, so the word order does not matter.
+            uint32_t w[4];
+            std::memcpy(w, q + row * (k_size / 2) + g * 16, sizeof w);
+            constexpr uint32_t kLow = 0x0F0F0F0Fu, kHigh = 0xF0F0F0F0u;
+            const uint32_t chunks[4] = {(w[0] & kLow) | ((w[1] & kLow) << 4), (w[2] & kLow) | ((w[3] & kLow) << 4),
+                                        ((w[0] >> 4) & kLow) | (w[1] & kHigh), ((w[2] >> 4) & kLow) | (w[3] & kHigh)};
+            uint8_t* chunk = out + (p * (k_size / 8) + g * kChunksPerGroup) * kChunkBytes + 4 * j;
+            for (int64_t c = 0; c < kChunksPerGroup; ++c) std::memcpy(chunk + c * kChunkBytes, &chunks[c], 4);
+            for (int64_t pair = 0; pair < 2; ++pair)
+              out_dm[((p * groups + g) * 2 + pair) * kCols + j] = sc[(row * groups + g) * 2 + pair];
+          }
+        }
+    });
+  };
+  if (scales.scalar_type() == at::kHalf)
+    pack(reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), reinterpret_cast<uint16_t*>(dm.data_ptr<at::Half>()));
+  else
+    pack(scales.data_ptr<float>(), dm.data_ptr<float>());
+  return {codes, dm};
+}
+
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("int4_q8_linear(Tensor x, Tensor codes, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("int4_q8_pack(Tensor qweight, Tensor scales) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("int4_q8_linear", &tandem::int4_q8_linear);
+  m.impl("int4_q8_pack", &tandem::int4_q8_pack);
 }

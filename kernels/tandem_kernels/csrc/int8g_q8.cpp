@@ -19,7 +19,11 @@
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
+#include <ATen/ops/aminmax.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
+
+#include <tuple>
 
 #include "common.h"
 #include "int4_vec.h"
@@ -193,12 +197,57 @@ Tensor int8g_q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale
   return out;
 }
 
+// The panels of the int8g layout, codes [N, K] int8 in [-32, 31] and scales [N, K / 16, 2] float32:
+// gguf_reference.pack_int8g_q8's (the contract), in one parallel pass.
+std::tuple<Tensor, Tensor> int8g_q8_pack(const Tensor& codes, const Tensor& scales) {
+  const char* op = "int8g_q8_pack";
+  TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.scalar_type() == at::kChar &&
+              codes.is_contiguous() && codes.size(1) % kQ8Group == 0, op, ": codes must be contiguous int8 [N, K]");
+  const int64_t n_size = codes.size(0), k_size = codes.size(1), groups = k_size / kGroup;
+  TORCH_CHECK(scales.device().is_cpu() && scales.dim() == 3 && scales.is_contiguous() &&
+              scales.scalar_type() == at::kFloat && scales.size(0) == n_size && scales.size(1) == groups &&
+              scales.size(2) == 2, op, ": scales must be contiguous float32 [N, K / 16, 2]");
+  if (codes.numel()) {
+    const auto [low, high] = at::aminmax(codes);
+    TORCH_CHECK(low.item<int8_t>() >= -32 && high.item<int8_t>() <= 31, op,
+                ": the codes must lie in [-32, 31] (Q8_0's 8-bit codes do not fit)");
+  }
+  const int64_t panels = (n_size + kCols - 1) / kCols;
+  Tensor packed = at::zeros({panels, k_size / 4, kChunkBytes}, codes.options().dtype(at::kByte));
+  Tensor sm = at::zeros({panels, groups, 2, kCols}, scales.options());
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* out_sm = sm.data_ptr<float>();
+  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kCols && p * kCols + j < n_size; ++j) {
+        const int64_t row = p * kCols + j;
+        const int8_t* codes_row = c + row * k_size;
+        uint8_t* column = out + p * (k_size / 4) * kChunkBytes + 4 * j;
+        for (int64_t chunk = 0; chunk < k_size / 4; ++chunk) {
+          uint8_t shifted[4];
+          for (int64_t b = 0; b < 4; ++b) shifted[b] = static_cast<uint8_t>(codes_row[4 * chunk + b] + 32);
+          std::memcpy(column + chunk * kChunkBytes, shifted, 4);
+        }
+        for (int64_t h = 0; h < groups; ++h) {
+          const float scale = s[(row * groups + h) * 2], m = s[(row * groups + h) * 2 + 1];
+          out_sm[((p * groups + h) * 2) * kCols + j] = scale;
+          out_sm[((p * groups + h) * 2 + 1) * kCols + j] = m - 32.0f * scale;  // 32 s is exact: one rounding, fused or not
+        }
+      }
+  });
+  return {packed, sm};
+}
+
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("int8g_q8_linear(Tensor x, Tensor codes, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("int8g_q8_pack(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("int8g_q8_linear", &tandem::int8g_q8_linear);
+  m.impl("int8g_q8_pack", &tandem::int8g_q8_pack);
 }
