@@ -91,14 +91,17 @@ __attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const Quantize
   for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i sum[MT];  // 16-bit: per column, two running sums of the group's products
+    for (int i = 0; i < MT; ++i) sum[i] = _mm256_setzero_si256();
+    const int8_t* xq0 = x.q.data() + m0 * x.k_size + g * kGroup;
+    // Not unrolled: unrolled, GCC computes every chunk's products before adding any and spills them.
+#pragma GCC unroll 1
     for (int64_t c = 0; c < kChunksPerGroup; ++c) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
       const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
       for (int i = 0; i < MT; ++i) {
-        const int8_t* xq = x.q.data() + (m0 + i) * x.k_size + g * kGroup + c * 8;
-        const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xq)),
-                                              _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
-        sum[i] = c == 0 ? both : _mm256_add_epi16(sum[i], both);
+        const int8_t* xq = xq0 + i * x.k_size + c * 8;
+        sum[i] = _mm256_add_epi16(sum[i], _mm256_maddubs_epi16(lo, broadcast4(xq)));
+        sum[i] = _mm256_add_epi16(sum[i], _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
       }
     }
     const S* dm = w.scales(p, g);
