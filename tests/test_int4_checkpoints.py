@@ -153,6 +153,24 @@ def test_bf16_batched_equals_alone(checkpoints):
     engine.shutdown()
 
 
+@pytest.mark.parametrize("case", ["awq-g64", "gptq-sym-rows"])
+def test_int8_activations_take_the_integer_kernel_with_quantization_from_the_checkpoint(checkpoints, case,
+                                                                                        monkeypatch):
+    path, _ = checkpoints(case)
+    calls = []
+    kernel = tandem_kernels.cpu.int4_q8_linear
+    monkeypatch.setattr(tandem_kernels.cpu, "int4_q8_linear", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    monkeypatch.setattr(tandem_kernels.cpu, "int4_linear", lambda *a: pytest.fail("the exact kernel ran"))
+    engine = engine_for(path, dtype="float32", int4_activations="int8", enforce_eager=True)  # no quantization=
+    assert engine.config.quantization == CASES[case][0]
+    prompts = random_prompts([4, 11, 23], TINY_VOCAB, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batched = run_engine(engine, prompts, params)
+    assert calls and all(len(out) == 12 for out in batched)
+    assert batched == [run_engine(engine, [p], params)[0] for p in prompts]
+    engine.shutdown()
+
+
 def edited(path, tmp_path, **changes):
     """A copy of checkpoint ``path`` with quantization_config keys changed."""
     import shutil
