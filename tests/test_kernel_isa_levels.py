@@ -271,7 +271,7 @@ def test_each_build_has_its_levels_instructions_and_none_above(prebuilt):
     assert "%ymm" in avx2 and "%zmm" not in avx2 and "tdpbf16ps" not in avx2
     avx512 = code("avx512")  # 16 lanes in fp32: no VNNI, no bf16 dot products
     assert "%zmm" in avx512 and "vpdpbusd" not in avx512 and "vdpbf16ps" not in avx512
-    vnni = code("avx512_vnni")  # w8a8_vnni.cpp's kernel, still no bf16
+    vnni = code("avx512_vnni")  # w8a8_packed.cpp's VNNI kernel, still no bf16
     assert "vpdpbusd" in vnni and "vdpbf16ps" not in vnni
     amx = code("amx")  # every AVX-512 path too, VBMI's fp8 widening (a byte permute) among them
     assert "%zmm" in amx and "tdpbf16ps" in amx and "ldtilecfg" in amx and "vdpbf16ps" in amx

@@ -331,28 +331,21 @@ def test_int8_packed_equals_its_reference_and_rows_do_not_depend_on_their_batch(
         cpu.int8_linear_packed(x[:, :-2], packed, scale, None)
 
 
-needs_vnni = pytest.mark.skipif(not cpu.w8a8_vnni_available(), reason="needs a CPU with AVX-512 VNNI")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", INT8_SHAPES)
 def test_w8a8_linear_equals_its_reference_in_the_activations_dtype(m, k, n, dtype):
     x, weight, scale, bias = int8_case(m, k, n, seed=10)
     x = x.to(dtype)
-    packed = cpu.w8a8_pack_weight(weight) if cpu.w8a8_vnni_available() else None
+    packed = cpu.w8a8_pack_weight(weight)  # read by the VNNI, AVX2 or plain-loop kernel, whichever was built
     for b in (bias, bias.to(dtype), None):
         want = reference.w8a8_linear(x, weight, scale, b)
-        kernels = [cpu.w8a8_linear(x, weight, scale, b)]
-        if packed is not None:
-            kernels.append(cpu.w8a8_linear_packed(x, packed, scale, b))
-        for got in kernels:
+        for got in (cpu.w8a8_linear(x, weight, scale, b), cpu.w8a8_linear_packed(x, packed, scale, b)):
             assert got.dtype == dtype and got.shape == (m, n)
             # The same exact block sums, added in float in another order (bf16: then rounded once).
             tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
             torch.testing.assert_close(got, want, **tol)
 
 
-@needs_vnni
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", [(9, 70, 5), (70, 576, 33), (131, 64, 40)])
 def test_w8a8_packed_rows_do_not_depend_on_their_batch(m, k, n, dtype):
@@ -365,7 +358,6 @@ def test_w8a8_packed_rows_do_not_depend_on_their_batch(m, k, n, dtype):
     assert torch.equal(cpu.w8a8_linear_packed(x[m // 3:], packed, scale, None), whole[m // 3:])
 
 
-@needs_vnni
 def test_w8a8_packed_refuses_a_weight_of_another_shape():
     weight = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
     packed, scale = cpu.w8a8_pack_weight(weight), torch.ones(40)

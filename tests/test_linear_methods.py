@@ -143,8 +143,7 @@ def test_int8_methods_run_in_bf16_and_compute_their_reference(method_cls, rows):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, twin(x, q, scale, bias), atol=1e-2, rtol=2 ** -7)
     assert layer.weight.numel() == 0  # the plain copy was freed
-    packed = (tandem_kernels.cpu.w8a8_vnni_available() if method_cls is W8A8LinearMethod
-              else tandem_kernels.cpu.int8_bf16_available())
+    packed = method_cls is W8A8LinearMethod or tandem_kernels.cpu.int8_bf16_available()
     if packed:  # one copy of the weight: the packed one
         assert not hasattr(layer, "int8_weight")
         assert (layer.w8a8_packed if method_cls is W8A8LinearMethod else layer.int8_packed) is not None

@@ -26,11 +26,11 @@
     W8A8LinearMethod          CPU, ``quantization="w8a8"``: the same int8 weights; activations
                               quantized per row and 32-wide block on the fly, products summed
                               exactly in int32 (tandem_kernels.reference.w8a8_linear), results in
-                              the model's dtype. With AVX-512 VNNI the weight is packed once into
-                              16-column panels (csrc/w8a8_vnni.cpp: one vpdpbusd lane per output
-                              column), and the matmuls run faster than bf16's at every row count
-                              measured (1-128: ~3x at batch 1, ~1.5x at 32 and more on an AMD
-                              EPYC without AMX); elsewhere the plain weight, AVX2's kernel.
+                              the model's dtype. The weight is packed once into 16-column panels
+                              (csrc/w8a8_packed.cpp: one vector lane per output column; vpdpbusd
+                              with AVX-512 VNNI, where the matmuls run faster than bf16's at every
+                              row count measured (1-128: ~3x at batch 1, ~1.5x at 32 and more on an
+                              AMD EPYC without AMX); vpmaddubsw on AVX2).
                               Approximate: no float model computes the same.
     Int4LinearMethod          CPU and CUDA, ``quantization="int4"``: 4-bit weights, round to nearest per row
                               and 32-wide group, asymmetric (GGUF Q4_1's form: fp16 d and m, 5 bits
@@ -181,20 +181,16 @@ class Int8LinearMethod(LinearMethod):
 
 
 class W8A8LinearMethod(Int8LinearMethod):
-    """With AVX-512 VNNI the layer keeps only the packed weight (``w8a8_packed``), else the plain
-    ``int8_weight``; both give ``tandem_kernels.reference.w8a8_linear``'s result."""
+    """The layer keeps only the packed weight (``w8a8_packed``), which gives
+    ``tandem_kernels.reference.w8a8_linear``'s result."""
     name = "w8a8"
 
     def pack(self, layer: LinearBase, dtype: torch.dtype) -> None:
-        layer.w8a8_packed = None
-        if tandem_kernels.cpu.w8a8_vnni_available():
-            layer.w8a8_packed = tandem_kernels.cpu.w8a8_pack_weight(layer.int8_weight)
-            del layer.int8_weight
+        layer.w8a8_packed = tandem_kernels.cpu.w8a8_pack_weight(layer.int8_weight)
+        del layer.int8_weight
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if layer.w8a8_packed is not None:
-            return tandem_kernels.cpu.w8a8_linear_packed(x, layer.w8a8_packed, layer.weight_scale, bias)
-        return tandem_kernels.cpu.w8a8_linear(x, layer.int8_weight, layer.weight_scale, bias)
+        return tandem_kernels.cpu.w8a8_linear_packed(x, layer.w8a8_packed, layer.weight_scale, bias)
 
 
 class Int4LinearMethod(LinearMethod):

@@ -378,26 +378,27 @@ def bf16_dot_gated_linear(x: torch.Tensor, packed: torch.Tensor, d: int) -> torc
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     """kernels.reference.w8a8_linear: x [M, K] float32 or bf16 quantized per row and 32-wide block,
-    times (weight [N, K] int8 * scale [N])^T, + bias -> [M, N] in x's dtype. The portable kernel
-    (AVX2 or plain C++); with AVX-512 VNNI ``w8a8_linear_packed`` is the fast one."""
+    times (weight [N, K] int8 * scale [N])^T, + bias -> [M, N] in x's dtype, on the plain weight
+    (AVX2 or plain C++); ``w8a8_linear_packed`` is the fast one."""
     return torch.ops.tandem_cpu.w8a8_linear(x, weight, scale, bias)
 
 
 def w8a8_vnni_available() -> bool:
-    """Whether ``w8a8_linear_packed`` runs here: the kernels are loaded and built for AVX-512 VNNI."""
+    """Whether ``w8a8_linear_packed`` runs its AVX-512 VNNI kernel here (else its AVX2 or plain one)."""
     return available() and torch.ops.tandem_cpu.w8a8_vnni_available()
 
 
 def w8a8_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] int8 -> uint8 [ceil(N / 16), ceil(K / 32) * 512], the panels
-    ``w8a8_linear_packed`` reads (csrc/w8a8_vnni.cpp)."""
+    ``w8a8_linear_packed`` reads (csrc/w8a8_packed.cpp)."""
     return torch.ops.tandem_cpu.w8a8_pack_weight(weight)
 
 
 def w8a8_linear_packed(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``w8a8_linear(x, weight, scale, bias)`` with packed = ``w8a8_pack_weight(weight)``: the
-    reference's math on AVX-512 VNNI (one vpdpbusd lane per output column), batch-invariant."""
+    reference's math, one vector lane per output column (vpdpbusd on AVX-512 VNNI, vpmaddubsw on
+    AVX2, plain loops elsewhere; all give the same bits), batch-invariant."""
     return torch.ops.tandem_cpu.w8a8_linear_packed(x, packed, scale, bias)
 
 

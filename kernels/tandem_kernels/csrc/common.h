@@ -12,7 +12,7 @@
 //     int8_linear.cpp          int8 weights with float activations, and w8a8 (portable)
 //       int8_args.h              their argument checks
 //     int8_bf16.cpp            int8 weights with bf16 activations on AVX-512 BF16, on a packed weight
-//     w8a8_vnni.cpp            w8a8 on AVX-512 VNNI, on a packed weight
+//     w8a8_packed.cpp          w8a8 on a packed weight (AVX-512 VNNI, AVX2 or plain loops)
 //     int4_linear.cpp          4-bit weights in 32-wide groups (GGUF Q4_0 / Q4_1), float or bf16 activations
 //     amx_linear.cpp           bf16 linears on AMX tiles
 //     bf16_linear.cpp          bf16 linears with AVX-512 BF16 dot products, on a packed weight (no AMX)

@@ -1,4 +1,4 @@
-// The arguments every int8 linear (int8_linear.cpp, w8a8_vnni.cpp) checks and converts alike.
+// The arguments every int8 linear (int8_linear.cpp, w8a8_packed.cpp) checks and converts alike.
 #pragma once
 
 #include "common.h"

@@ -5,8 +5,9 @@
 // order that depends on K only, never on the batch, so a request's results do not depend on the
 // requests it shares a step with.
 //
-// w8a8 here is AVX2's maddubs (or plain C++); CPUs with AVX-512 VNNI take w8a8_vnni.cpp's kernel
-// on a packed weight instead. Both agree with the reference; their float sums run in different orders.
+// w8a8 here is AVX2's maddubs (or plain C++) on the plain weight; the engine runs w8a8_packed.cpp's
+// kernels on a packed weight instead. Both agree with the reference; their float sums run in
+// different orders.
 
 #include "ops.h"
 #include "int8_args.h"

@@ -1,6 +1,6 @@
 // Every op's C++ signature, for registration.cpp (which gives each its schema) and for the op
 // families that call one another (attention_block runs rotary_embedding). Contracts are at each
-// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, int8_bf16.cpp, w8a8_vnni.cpp,
+// definition: attention.cpp, elementwise.cpp, int8_linear.cpp, int8_bf16.cpp, w8a8_packed.cpp,
 // int4_linear.cpp, amx_linear.cpp, bf16_linear.cpp, penalties.cpp.
 #pragma once
 
@@ -48,7 +48,7 @@ Tensor int8_pack_weight_bf16(const Tensor& weight);
 Tensor int8_linear_packed(const Tensor& x, const Tensor& packed, const Tensor& scale,
                           const c10::optional<Tensor>& bias);
 
-// w8a8_vnni.cpp
+// w8a8_packed.cpp
 bool w8a8_vnni_available();
 Tensor w8a8_pack_weight(const Tensor& weight);
 Tensor w8a8_linear_packed(const Tensor& x, const Tensor& packed, const Tensor& scale,

@@ -1,6 +1,6 @@
-// w8a8 on AVX-512 VNNI, on a weight packed once at load time (w8a8_pack_weight): the same math as
-// w8a8_linear (tandem_kernels.reference.w8a8_linear), laid out so that one vpdpbusd lane is one
-// output column, not a slice of K.
+// w8a8 on a weight packed once at load time (w8a8_pack_weight): the same math as w8a8_linear
+// (tandem_kernels.reference.w8a8_linear), laid out so that one vector lane is one output column, not
+// a slice of K.
 //
 // The packed weight: panels of 16 output columns (N padded with zero rows to a multiple of 16),
 // each [K / 32 blocks][8 groups of 4 k][16 columns][4 bytes], K padded with zeros to a multiple of
@@ -9,15 +9,21 @@
 //     panel p:  block 0: [k 0..3 of col 0..15][k 4..7 of col 0..15] ... [k 28..31 of col 0..15]
 //               block 1: ...                                    (64 bytes a group, 512 a block)
 //
-// One group is one 64-byte load; 4 activation bytes of a row are broadcast to every lane, and one
-// vpdpbusd adds 4 products to each of 16 columns' int32 sums. A 32-wide block is 8 of them; the
-// int32 sums (exact) are converted to float once per block and added times the row's block scale
-// (one fma), so the conversions cost 1/8 of what they cost with lanes along K. The 128 * x the
-// unsigned weights add is -128 * (the block's activation sum) per row and block, computed when x is
-// quantized and where each block's int32 sums start.
+// Three kernels read it, and all give the same bits: per output, the exact int32 sum of each 32-wide
+// block's products, then over the blocks in order sum = fma(float(block sum), the row's block scale,
+// sum), then sum * scale[n] (+ bias[n]), rounded once to x's dtype. Each output's sum runs over the
+// blocks in order whatever M is and whichever tile computes it (batch-invariant); the order differs
+// from the portable w8a8_linear's (int8_linear.cpp).
 //
-// Each output's float sum runs over the blocks in order, whatever M is and whichever tile computes
-// it (batch-invariant); its order differs from the portable kernel's (int8_linear.cpp).
+// - AVX-512 VNNI: one group is one 64-byte load; 4 activation bytes of a row are broadcast to every
+//   lane, and one vpdpbusd adds 4 products to each of 16 columns' int32 sums. The 128 * x the
+//   unsigned weights add is -128 * (the block's activation sum) per row and block, computed when x is
+//   quantized and where each block's int32 sums start.
+// - AVX2 (no VNNI): half a group (8 columns) is one 32-byte load, turned back into the signed
+//   weights (xor 128); vpmaddubsw multiplies |w| by the broadcast activations given w's signs
+//   (vpsignb), so each product pair fits 16 bits (2 * 127 * 128 < 2^15), and vpmaddwd widens the
+//   pairs to the 8 columns' int32 sums.
+// - Other targets: the same integer sums in plain loops.
 
 #include "int8_args.h"
 #include "ops.h"
@@ -197,6 +203,151 @@ Tensor run(const Tensor& x, const Tensor& packed, const Tensor& scale, const c10
 constexpr bool kHaveVnni = true;
 #else
 constexpr bool kHaveVnni = false;
+
+// One row by the reference's rule: per block s = max|x| / 127, q = round_half_even(x / s) (0 where
+// s = 0), in fp32; q [blocks * 32] zero-padded past K.
+template <typename T>
+inline void quantize_row(const T* x, int64_t k_size, int64_t blocks, int8_t* q, float* scale) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kBlock, n = std::min(kBlock, k_size - k0);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[k0 + i])));
+    const float s = amax / 127.0f;
+    scale[b] = s;
+    for (int64_t i = 0; i < kBlock; ++i)
+      q[k0 + i] = i < n && s > 0.0f ? static_cast<int8_t>(std::nearbyint(static_cast<float>(x[k0 + i]) / s)) : 0;
+  }
+}
+
+// x's rows quantized: q [M, blocks * 32], scale [M, blocks].
+struct Activations {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, Activations& a) {
+  a.blocks = (k_size + kBlock - 1) / kBlock;
+  a.q.resize(m_size * a.blocks * kBlock);
+  a.scale.resize(m_size * a.blocks);
+  at::parallel_for(0, m_size, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(x + m * x_stride, k_size, a.blocks, a.q.data() + m * a.blocks * kBlock, a.scale.data() + m * a.blocks);
+  });
+}
+
+constexpr int64_t kHalf = kCols / 2;  // the columns one AVX2 tile computes: half a panel
+
+// out[row, n0 + j] = sum[j] * w_scale[n0 + j] (+ bias), for the columns below N.
+template <typename O>
+inline void store_columns(O* out, int64_t n_size, int64_t row, int64_t n0, const float* sum, const float* w_scale,
+                          const float* bias) {
+  for (int64_t j = 0; j < kHalf && n0 + j < n_size; ++j) {
+    float v = sum[j] * w_scale[n0 + j];
+    if (bias) v += bias[n0 + j];
+    out[row * n_size + n0 + j] = static_cast<O>(v);
+  }
+}
+
+// Rows m0 .. m0 + MT - 1 against half h (columns 8 h .. 8 h + 7) of panel p.
+#if defined(__AVX2__) && defined(__FMA__)
+template <int MT, typename O>
+__attribute__((noinline)) void half_tile(O* out, int64_t n_size, const Activations& a, int64_t m0, const uint8_t* w,
+                                         int64_t p, int64_t h, const float* w_scale, const float* bias) {
+  const int64_t blocks = a.blocks;
+  const uint8_t* panel = w + p * blocks * kBlockBytes + h * 32;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 sum[MT];
+  for (int i = 0; i < MT; ++i) sum[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i dot[MT];
+    for (int i = 0; i < MT; ++i) dot[i] = _mm256_setzero_si256();
+    const int8_t* xb = a.q.data() + (m0 * blocks + b) * kBlock;
+#pragma GCC unroll 2
+    for (int64_t g = 0; g < kGroups; ++g) {
+      const __m256i wv = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + b * kBlockBytes + g * 64)), flip);
+      const __m256i mag = _mm256_abs_epi8(wv);
+      for (int i = 0; i < MT; ++i) {
+        int32_t four;
+        std::memcpy(&four, xb + i * blocks * kBlock + 4 * g, sizeof four);
+        const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(four), wv));
+        dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_set1_ps(a.scale[(m0 + i) * blocks + b]), sum[i]);
+  }
+  for (int i = 0; i < MT; ++i) {
+    float lanes[kHalf];
+    _mm256_storeu_ps(lanes, sum[i]);
+    store_columns(out, n_size, m0 + i, p * kCols + h * kHalf, lanes, w_scale, bias);
+  }
+}
+#else
+template <int MT, typename O>
+void half_tile(O* out, int64_t n_size, const Activations& a, int64_t m0, const uint8_t* w, int64_t p, int64_t h,
+               const float* w_scale, const float* bias) {
+  const int64_t blocks = a.blocks;
+  const uint8_t* panel = w + p * blocks * kBlockBytes + h * 32;
+  for (int i = 0; i < MT; ++i) {
+    float sum[kHalf] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* xb = a.q.data() + ((m0 + i) * blocks + b) * kBlock;
+      const float s = a.scale[(m0 + i) * blocks + b];
+      for (int64_t j = 0; j < kHalf; ++j) {
+        int32_t dot = 0;
+        for (int64_t g = 0; g < kGroups; ++g)
+          for (int t = 0; t < 4; ++t)
+            dot += (static_cast<int32_t>(panel[b * kBlockBytes + g * 64 + 4 * j + t]) - 128) * xb[4 * g + t];
+        sum[j] = std::fma(static_cast<float>(dot), s, sum[j]);
+      }
+    }
+    store_columns(out, n_size, m0 + i, p * kCols + h * kHalf, sum, w_scale, bias);
+  }
+}
+#endif
+
+template <typename O>
+void w8a8_halves(O* out, const Activations& a, int64_t m_size, const uint8_t* w, int64_t n_size,
+                 const float* w_scale, const float* bias) {
+  // Each thread takes whole half panels and runs them against 64 rows at a time, so a half panel's
+  // weights (8 x K bytes) stay in L1 while the rows pass, and the rows' bytes (64 x K) in L2.
+  constexpr int64_t kRowBlock = 64;
+  const int64_t halves = 2 * ((n_size + kCols - 1) / kCols);
+  at::parallel_for(0, halves, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m_size; m0 += kRowBlock) {
+      const int64_t m1 = std::min(m_size, m0 + kRowBlock);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = t / 2, h = t % 2;
+        if (p * kCols + h * kHalf >= n_size) continue;  // only padding
+        if (h == 0 && t + 2 < end)  // the next panel's weights, while this one computes
+          prefetch_run(w + (p + 1) * a.blocks * kBlockBytes, a.blocks * kBlockBytes);
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) half_tile<4>(out, n_size, a, m, w, p, h, w_scale, bias);
+        switch (m1 - m) {
+          case 3: half_tile<3>(out, n_size, a, m, w, p, h, w_scale, bias); break;
+          case 2: half_tile<2>(out, n_size, a, m, w, p, h, w_scale, bias); break;
+          case 1: half_tile<1>(out, n_size, a, m, w, p, h, w_scale, bias); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+Tensor run(const Tensor& x, const Tensor& packed, const Tensor& scale, const c10::optional<Tensor>& bias) {
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = scale.numel();
+  Activations a;
+  quantize_rows(x.data_ptr<T>(), x.stride(0), m_size, k_size, a);
+  const std::vector<float> b = int8_linear_bias("w8a8_linear_packed", bias, n_size);
+  Tensor out = at::empty({m_size, n_size}, x.options());
+  w8a8_halves(out.data_ptr<T>(), a, m_size, packed.data_ptr<uint8_t>(), n_size, scale.data_ptr<float>(),
+              b.empty() ? nullptr : b.data());
+  return out;
+}
 #endif
 
 }  // namespace
@@ -229,7 +380,6 @@ Tensor w8a8_pack_weight(const Tensor& weight) {
 // out [M, N] (x's dtype) = w8a8_linear(x, weight, scale, bias) with weight packed by w8a8_pack_weight.
 Tensor w8a8_linear_packed(const Tensor& x, const Tensor& packed, const Tensor& scale,
                           const c10::optional<Tensor>& bias) {
-  TORCH_CHECK(kHaveVnni, "w8a8_linear_packed: this CPU or build has no AVX-512 VNNI (see w8a8_vnni_available)");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
               x.stride(1) == 1, "w8a8_linear_packed: x must be float32 or bfloat16 [M, K] with contiguous rows");
   const int64_t n_size = scale.numel(), blocks = (x.size(1) + kBlock - 1) / kBlock;
@@ -238,12 +388,8 @@ Tensor w8a8_linear_packed(const Tensor& x, const Tensor& packed, const Tensor& s
               packed.size(0) == (n_size + kCols - 1) / kCols && packed.size(1) == blocks * kBlockBytes,
               "w8a8_linear_packed: packed must be w8a8_pack_weight of an int8 [N, K] weight, N = scale's size, "
               "K = x's columns");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat) return run<float>(x, packed, scale, bias);
   return run<c10::BFloat16>(x, packed, scale, bias);
-#else
-  return Tensor();
-#endif
 }
 
 }  // namespace tandem
