@@ -343,4 +343,4 @@ def test_each_lower_prebuilt_level_passes_the_kernel_tests(name, prebuilt, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout and not cache.exists()
     assert "needs a CPU with AVX-512 BF16" in proc.stdout  # no level here has the bf16 kernels
-    assert ("needs a CPU with AVX-512 VNNI" in proc.stdout) == (name != "avx512_vnni")
+    assert "needs a CPU with AVX-512 VNNI" not in proc.stdout  # w8a8's packed kernel runs at every level
