@@ -58,7 +58,8 @@ def test_reference_is_the_dequantized_matmul_on_the_rounded_activations():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,m,low", [(64, 256, 1, -32), (37, 512, 2, 0), (70, 1024, 9, -32), (21, 1024, 133, 0)])
+@pytest.mark.parametrize("n,k,m,low", [(64, 256, 1, -32), (37, 512, 2, 0), (70, 1024, 9, -32), (16, 256, 14, 0),
+                                        (21, 1024, 133, 0)])
 def test_kernel_meets_its_reference(n, k, m, low, dtype):
     codes, scales = int8g_weights(n, k, low=low, high=32 if low < 0 else 32)
     x = torch.randn(m, k).to(dtype)
@@ -69,7 +70,7 @@ def test_kernel_meets_its_reference(n, k, m, low, dtype):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=1e-2)
-    for row in range(m):  # a row's result does not depend on the rows beside it
+    for row in range(m):  # a row's result does not depend on the rows beside it (tiles of 8 or 4, tails)
         alone = q8_kernel(x[row:row + 1].contiguous(), codes, scales, bias)
         assert torch.equal(alone, got[row:row + 1]), row
 
