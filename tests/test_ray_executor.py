@@ -101,7 +101,10 @@ def test_a_cluster_named_by_ray_address_outlives_its_engine(two_nodes, tiny_chec
         finally:
             engine.shutdown()
         assert not ray.is_initialized()  # Tandem's connection ended with its engine ...
-        assert two_nodes.head_node.remaining_processes_alive()  # ... and the cluster did not
+        # ... and the cluster did not: its GCS and the head's raylet run on. (Ray's helper processes,
+        # its dashboard agent among them, may exit on their own on a loaded machine: not counted.)
+        dead = {kind for kind, _ in two_nodes.head_node.dead_processes()}
+        assert not dead & {"gcs_server", "raylet"}, dead
     finally:
         ray.init(address=two_nodes.address, include_dashboard=False, log_to_driver=False)
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
