@@ -197,18 +197,16 @@ void int4_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t 
                   int64_t n_size, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
   const int64_t panels = (n_size + kCols - 1) / kCols;
-  const int64_t panel_bytes = k_size / 8 * kChunkBytes;
   // Rows of x in blocks whose quantized bytes stay in cache while every panel passes over them; a
-  // panel's codes stay in cache while its block's rows pass over it, kRowsAtOnce at a time.
+  // panel's codes stay in cache while its block's rows pass over it, kRowsAtOnce at a time. No
+  // software prefetch: each thread reads its panels in order, which the hardware prefetchers follow.
+  // Prefetching the whole panel after next (10 KB at K = 2048) held one row's read of weights
+  // from memory to 18-25 GB/s on an AVX-512 Zen-class EPYC, against 33-35 without it.
   const int64_t block_rows = std::max<int64_t>(kRowsAtOnce, kBlockBytes / k_size / kRowsAtOnce * kRowsAtOnce);
   for (int64_t b0 = 0; b0 < m_size; b0 += block_rows) {
     const int64_t b1 = std::min(m_size, b0 + block_rows);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        if (p + 2 < end) {  // a later panel's codes and scales, while this one computes
-          prefetch_run(w.chunk(p + 2, 0), panel_bytes);
-          prefetch_run(w.scales(p + 2, 0), w.groups * 2 * kCols);
-        }
         for (int64_t m0 = b0; m0 < b1; m0 += kRowsAtOnce) {
           switch (std::min(kRowsAtOnce, b1 - m0)) {
 #if defined(TANDEM_INT4_Q8_VNNI)

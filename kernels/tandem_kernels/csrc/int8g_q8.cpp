@@ -177,15 +177,12 @@ void int8g_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t
                    int64_t n_size, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
   const int64_t panels = (n_size + kCols - 1) / kCols;
+  // No software prefetch, as in int4_q8.cpp: the hardware prefetchers follow each thread's panels.
   const int64_t block_rows = std::max<int64_t>(kRowsAtOnce, kBlockBytes / k_size / kRowsAtOnce * kRowsAtOnce);
   for (int64_t b0 = 0; b0 < m_size; b0 += block_rows) {
     const int64_t b1 = std::min(m_size, b0 + block_rows);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        if (p + 2 < end) {  // a later panel's codes and scales, while this one computes
-          prefetch_run(w.chunk(p + 2, 0), k_size / 4 * kChunkBytes);
-          prefetch_run(w.scales(p + 2, 0), w.groups * 2 * kCols);
-        }
         for (int64_t m0 = b0; m0 < b1; m0 += kRowsAtOnce) {
           switch (std::min(kRowsAtOnce, b1 - m0)) {
 #if defined(TANDEM_INT8G_Q8_VNNI)
