@@ -73,7 +73,8 @@ def test_quantize_q8_groups_rounds_each_group_to_its_own_scale():
 @needs_kernels
 @pytest.mark.parametrize("float_scales", [False, True], ids=["fp16-scales", "fp32-scales"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,m", [(64, 256, 1), (37, 512, 2), (70, 1024, 9), (16, 256, 15), (21, 1024, 133)])
+@pytest.mark.parametrize("n,k,m", [(64, 256, 1), (37, 512, 2), (70, 1024, 9), (16, 256, 11), (16, 256, 12),
+                                   (16, 256, 15), (21, 1024, 133)])
 def test_kernel_meets_its_reference(n, k, m, dtype, float_scales):
     qweight, scales = weights(n, k, float_scales)
     x = torch.randn(m, k).to(dtype)

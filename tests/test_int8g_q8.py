@@ -58,8 +58,8 @@ def test_reference_is_the_dequantized_matmul_on_the_rounded_activations():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,m,low", [(64, 256, 1, -32), (37, 512, 2, 0), (70, 1024, 9, -32), (16, 256, 14, 0),
-                                        (21, 1024, 133, 0)])
+@pytest.mark.parametrize("n,k,m,low", [(64, 256, 1, -32), (37, 512, 2, 0), (70, 1024, 9, -32), (16, 256, 11, 0),
+                                        (16, 256, 12, -32), (16, 256, 14, 0), (21, 1024, 133, 0)])
 def test_kernel_meets_its_reference(n, k, m, low, dtype):
     codes, scales = int8g_weights(n, k, low=low, high=32 if low < 0 else 32)
     x = torch.randn(m, k).to(dtype)
