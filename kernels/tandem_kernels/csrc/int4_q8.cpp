@@ -47,16 +47,9 @@ namespace tandem {
 namespace {
 
 constexpr int64_t kGroup = kQ8Group;  // weights per (d, m) pair, along K
-constexpr int64_t kCols = 8;          // output columns a panel interleaves: one vector of fp32 lanes
+constexpr int64_t kCols = kQ8PanelCols;
 constexpr int64_t kChunkBytes = 32;   // a panel's 8 K values for each of its 8 columns, two a byte
 constexpr int64_t kChunksPerGroup = kGroup / 8;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define TANDEM_INT4_Q8_VNNI 1
-constexpr int64_t kRowsAtOnce = 8;    // rows of x a panel's chunk is unpacked for (32 vector registers)
-#else
-constexpr int64_t kRowsAtOnce = 4;    // rows of x a panel's chunk is unpacked for
-#endif
-constexpr int64_t kBlockBytes = 1 << 17;  // the quantized rows of x one pass over the panels reads
 
 // The panels: panel p's chunk c (32 code bytes) and its group g's scales (8 d, then 8 m).
 template <typename S>
@@ -68,103 +61,60 @@ struct Panels {
   const S* scales(int64_t p, int64_t g) const { return dm + (p * groups + g) * 2 * kCols; }
 };
 
-// out[row, 8 p + j] = acc[j] + bias, for the columns below N.
-template <typename T>
-inline void store_columns(T* out, int64_t n_size, int64_t row, int64_t p, const float* acc, const float* bias) {
-  const int64_t n0 = p * kCols, cols = std::min(kCols, n_size - n0);
-  for (int64_t j = 0; j < cols; ++j) out[row * n_size + n0 + j] = static_cast<T>(acc[j] + (bias ? bias[n0 + j] : 0.0f));
-}
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline __m256 load8(const uint16_t* half_bits) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits)));
-}
-inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
-
-inline __m256i broadcast4(const int8_t* q) {  // 4 activations in every 32-bit lane
-  int32_t v;
-  std::memcpy(&v, q, sizeof v);
-  return _mm256_set1_epi32(v);
+// dot[i]: row m0 + i's exact integer dots with panel p's 8 columns over group g.
+template <int MT, typename S>
+__attribute__((always_inline)) inline void group_dots(__m256i* dot, const QuantizedRows& x, const Panels<S>& w,
+                                                      int64_t m0, int64_t p, int64_t g) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const int8_t* xq0 = x.q.data() + m0 * x.k_size + g * kGroup;
+#if defined(TANDEM_Q8_VNNI)
+  // vpdpbusd adds a chunk's 4 products of each column straight into its int32 sum. Each row keeps two
+  // sums (low and high nibbles), so MT rows make 2 MT independent chains.
+  __m256i sum_hi[MT];
+  for (int i = 0; i < MT; ++i) dot[i] = sum_hi[i] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < kChunksPerGroup; ++c) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
+    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* xq = xq0 + i * x.k_size + c * 8;
+      dot[i] = _mm256_dpbusd_epi32(dot[i], lo, broadcast4(xq));
+      sum_hi[i] = _mm256_dpbusd_epi32(sum_hi[i], hi, broadcast4(xq + 4));
+    }
+  }
+  for (int i = 0; i < MT; ++i) dot[i] = _mm256_add_epi32(dot[i], sum_hi[i]);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < MT; ++i) dot[i] = _mm256_setzero_si256();  // 16-bit: two running sums per column
+  // Not unrolled: unrolled, GCC computes every chunk's products before adding any and spills them.
+#pragma GCC unroll 1
+  for (int64_t c = 0; c < kChunksPerGroup; ++c) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
+    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* xq = xq0 + i * x.k_size + c * 8;
+      dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, broadcast4(xq)));
+      dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
+    }
+  }
+  for (int i = 0; i < MT; ++i) dot[i] = _mm256_madd_epi16(dot[i], ones);  // widened to int32, exact
+#endif
 }
 
 // Rows m0 .. m0 + MT - 1 against panel p.
-#if defined(TANDEM_INT4_Q8_VNNI)
-// vpdpbusd adds a chunk's 4 products of each column straight into its int32 sum: no 16-bit step and no
-// widening. Each row keeps two sums (low and high nibbles), so MT rows make 2 MT independent chains.
 template <int MT, typename T, typename S>
 __attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
                                           const float* bias, int64_t m0, int64_t p) {
-  const __m256i low = _mm256_set1_epi8(15);
-  const int64_t groups = x.groups;
   __m256 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i sum_lo[MT], sum_hi[MT];  // int32: per column, the group's products of low / high nibbles
-    for (int i = 0; i < MT; ++i) sum_lo[i] = sum_hi[i] = _mm256_setzero_si256();
-    const int8_t* xq0 = x.q.data() + m0 * x.k_size + g * kGroup;
-    for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
-      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      for (int i = 0; i < MT; ++i) {
-        const int8_t* xq = xq0 + i * x.k_size + c * 8;
-        sum_lo[i] = _mm256_dpbusd_epi32(sum_lo[i], lo, broadcast4(xq));
-        sum_hi[i] = _mm256_dpbusd_epi32(sum_hi[i], hi, broadcast4(xq + 4));
-      }
-    }
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m256i dot[MT];
+    group_dots<MT>(dot, x, w, m0, p, g);
     const S* dm = w.scales(p, g);
-    const __m256 d = load8(dm), m = load8(dm + kCols);
-    for (int i = 0; i < MT; ++i) {
-      const float* sc = x.s.data() + ((m0 + i) * groups + g) * 2;  // (s, s * xs)
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(sum_lo[i], sum_hi[i]));  // 8 columns' dots, exact
-      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(sc[0])), acc[i]);
-      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sc[1]), acc[i]);
-    }
+    add_group_terms<MT>(acc, dot, load8(dm), load8(dm + kCols), x.s.data() + (m0 * x.groups + g) * 2, x.groups * 2);
   }
-  for (int i = 0; i < MT; ++i) {
-    float lanes[kCols];
-    _mm256_storeu_ps(lanes, acc[i]);
-    store_columns(out, n_size, m0 + i, p, lanes, bias);
-  }
+  store_panel_tile<MT>(out, n_size, m0, p * kCols, acc, bias);
 }
-#else
-template <int MT, typename T, typename S>
-__attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
-                                          const float* bias, int64_t m0, int64_t p) {
-  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const int64_t groups = x.groups;
-  __m256 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i sum[MT];  // 16-bit: per column, two running sums of the group's products
-    for (int i = 0; i < MT; ++i) sum[i] = _mm256_setzero_si256();
-    const int8_t* xq0 = x.q.data() + m0 * x.k_size + g * kGroup;
-    // Not unrolled: unrolled, GCC computes every chunk's products before adding any and spills them.
-#pragma GCC unroll 1
-    for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
-      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      for (int i = 0; i < MT; ++i) {
-        const int8_t* xq = xq0 + i * x.k_size + c * 8;
-        sum[i] = _mm256_add_epi16(sum[i], _mm256_maddubs_epi16(lo, broadcast4(xq)));
-        sum[i] = _mm256_add_epi16(sum[i], _mm256_maddubs_epi16(hi, broadcast4(xq + 4)));
-      }
-    }
-    const S* dm = w.scales(p, g);
-    const __m256 d = load8(dm), m = load8(dm + kCols);
-    for (int i = 0; i < MT; ++i) {
-      const float* sc = x.s.data() + ((m0 + i) * groups + g) * 2;  // (s, s * xs)
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[i], ones));  // 8 columns' dots, exact
-      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(sc[0])), acc[i]);
-      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sc[1]), acc[i]);
-    }
-  }
-  for (int i = 0; i < MT; ++i) {
-    float lanes[kCols];
-    _mm256_storeu_ps(lanes, acc[i]);
-    store_columns(out, n_size, m0 + i, p, lanes, bias);
-  }
-}
-#endif
 #else
 // The same arithmetic in plain loops.
 template <int MT, typename T, typename S>
@@ -187,7 +137,7 @@ void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>&
         acc[j] = std::fma(scale_value(dm[kCols + j]), sc[1], acc[j]);
       }
     }
-    store_columns(out, n_size, row, p, acc, bias);
+    store_panel_row(out, n_size, row, p * kCols, acc, bias);
   }
 }
 #endif
@@ -196,34 +146,9 @@ template <typename T, typename S>
 void int4_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Panels<S>& w,
                   int64_t n_size, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
-  const int64_t panels = (n_size + kCols - 1) / kCols;
-  // Rows of x in blocks whose quantized bytes stay in cache while every panel passes over them; a
-  // panel's codes stay in cache while its block's rows pass over it, kRowsAtOnce at a time. No
-  // software prefetch: each thread reads its panels in order, which the hardware prefetchers follow.
-  // Prefetching the whole panel after next (10 KB at K = 2048) held one row's read of weights
-  // from memory to 18-25 GB/s on an AVX-512 Zen-class EPYC, against 33-36 without it.
-  const int64_t block_rows = std::max<int64_t>(kRowsAtOnce, kBlockBytes / k_size / kRowsAtOnce * kRowsAtOnce);
-  for (int64_t b0 = 0; b0 < m_size; b0 += block_rows) {
-    const int64_t b1 = std::min(m_size, b0 + block_rows);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t m0 = b0; m0 < b1; m0 += kRowsAtOnce) {
-          switch (std::min(kRowsAtOnce, b1 - m0)) {
-#if defined(TANDEM_INT4_Q8_VNNI)
-            case 8: panel_tile<8>(out, n_size, xq, w, bias, m0, p); break;
-            case 7: panel_tile<7>(out, n_size, xq, w, bias, m0, p); break;
-            case 6: panel_tile<6>(out, n_size, xq, w, bias, m0, p); break;
-            case 5: panel_tile<5>(out, n_size, xq, w, bias, m0, p); break;
-#endif
-            case 4: panel_tile<4>(out, n_size, xq, w, bias, m0, p); break;
-            case 3: panel_tile<3>(out, n_size, xq, w, bias, m0, p); break;
-            case 2: panel_tile<2>(out, n_size, xq, w, bias, m0, p); break;
-            default: panel_tile<1>(out, n_size, xq, w, bias, m0, p); break;
-          }
-        }
-      }
-    });
-  }
+  for_each_panel_tile(m_size, k_size, (n_size + kCols - 1) / kCols, [&](auto rows, int64_t m0, int64_t p) {
+    panel_tile<decltype(rows)::value>(out, n_size, xq, w, bias, m0, p);
+  });
 }
 
 }  // namespace

@@ -36,16 +36,9 @@ namespace tandem {
 namespace {
 
 constexpr int64_t kGroup = 16;       // weights per (s, m') pair, along K
-constexpr int64_t kCols = 8;         // output columns a panel interleaves: one vector of fp32 lanes
+constexpr int64_t kCols = kQ8PanelCols;
 constexpr int64_t kChunkBytes = 32;  // a panel's 4 K values for each of its 8 columns
 constexpr int64_t kChunksPerGroup = kGroup / 4;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define TANDEM_INT8G_Q8_VNNI 1
-constexpr int64_t kRowsAtOnce = 8;  // 32 vector registers hold 8 rows' sums
-#else
-constexpr int64_t kRowsAtOnce = 4;
-#endif
-constexpr int64_t kBlockBytes = 1 << 17;  // the quantized rows of x one pass over the panels reads
 
 template <typename S>
 struct Panels {
@@ -56,96 +49,55 @@ struct Panels {
   const S* scales(int64_t p, int64_t h) const { return sm + (p * groups + h) * 2 * kCols; }
 };
 
-template <typename T>
-inline void store_columns(T* out, int64_t n_size, int64_t row, int64_t p, const float* acc, const float* bias) {
-  const int64_t n0 = p * kCols, cols = std::min(kCols, n_size - n0);
-  for (int64_t j = 0; j < cols; ++j) out[row * n_size + n0 + j] = static_cast<T>(acc[j] + (bias ? bias[n0 + j] : 0.0f));
-}
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline __m256 load8(const uint16_t* half_bits) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits)));
-}
-inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
-
-inline __m256i broadcast4(const int8_t* q) {
-  int32_t v;
-  std::memcpy(&v, q, sizeof v);
-  return _mm256_set1_epi32(v);
-}
-
-#if defined(TANDEM_INT8G_Q8_VNNI)
-// vpdpbusd adds a chunk's 4 products of each column straight into its int32 sum (no 16-bit step, no
-// widening); each row keeps two sums (even and odd chunks), so MT rows make 2 MT independent chains.
-template <int MT, typename T, typename S>
-__attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
-                                          const float* bias, int64_t m0, int64_t p) {
-  __m256 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t h = 0; h < w.groups; ++h) {
-    __m256i even[MT], odd[MT];
-    for (int i = 0; i < MT; ++i) even[i] = odd[i] = _mm256_setzero_si256();
-    for (int64_t half = 0; half < 2; ++half) {  // chunks 2 half, 2 half + 1: 8 K values
-      const uint8_t* c = w.chunk(p, h * kChunksPerGroup + 2 * half);
-      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kChunkBytes));
-      for (int i = 0; i < MT; ++i) {
-        const int8_t* xq = x.q.data() + (m0 + i) * x.k_size + h * kGroup + 8 * half;
-        even[i] = _mm256_dpbusd_epi32(even[i], c0, broadcast4(xq));
-        odd[i] = _mm256_dpbusd_epi32(odd[i], c1, broadcast4(xq + 4));
-      }
-    }
-    const S* sm = w.scales(p, h);
-    const __m256 s = load8(sm), m = load8(sm + kCols);
-    for (int i = 0; i < MT; ++i) {
-      const float* sc = x.s.data() + ((m0 + i) * w.groups + h) * 2;  // (sx, sx * xs)
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(even[i], odd[i]));  // 8 columns' dots, exact
-      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(sc[0])), acc[i]);
-      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sc[1]), acc[i]);
-    }
-  }
-  for (int i = 0; i < MT; ++i) {
-    float lanes[kCols];
-    _mm256_storeu_ps(lanes, acc[i]);
-    store_columns(out, n_size, m0 + i, p, lanes, bias);
-  }
-}
+// dot[i]: row m0 + i's exact integer dots with panel p's 8 columns over 16-group h.
+template <int MT, typename S>
+__attribute__((always_inline)) inline void group_dots(__m256i* dot, const QuantizedRows& x, const Panels<S>& w,
+                                                      int64_t m0, int64_t p, int64_t h) {
+#if defined(TANDEM_Q8_VNNI)
+  // vpdpbusd adds a chunk's products straight into int32 sums; each row keeps two sums (even and odd
+  // chunks), so MT rows make 2 MT independent chains.
+  __m256i odd[MT];
+  for (int i = 0; i < MT; ++i) dot[i] = odd[i] = _mm256_setzero_si256();
 #else
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t half = 0; half < 2; ++half) {  // chunks 2 half, 2 half + 1: 8 K values
+    const uint8_t* c = w.chunk(p, h * kChunksPerGroup + 2 * half);
+    const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kChunkBytes));
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* xq = x.q.data() + (m0 + i) * x.k_size + h * kGroup + 8 * half;
+#if defined(TANDEM_Q8_VNNI)
+      dot[i] = _mm256_dpbusd_epi32(dot[i], c0, broadcast4(xq));
+      odd[i] = _mm256_dpbusd_epi32(odd[i], c1, broadcast4(xq + 4));
+#else
+      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(xq)),
+                                             _mm256_maddubs_epi16(c1, broadcast4(xq + 4)));
+      const __m256i sums = _mm256_madd_epi16(pairs, ones);
+      dot[i] = half == 0 ? sums : _mm256_add_epi32(dot[i], sums);
+#endif
+    }
+  }
+#if defined(TANDEM_Q8_VNNI)
+  for (int i = 0; i < MT; ++i) dot[i] = _mm256_add_epi32(dot[i], odd[i]);
+#endif
+}
+
+// Rows m0 .. m0 + MT - 1 against panel p.
 template <int MT, typename T, typename S>
 __attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
                                           const float* bias, int64_t m0, int64_t p) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t h = 0; h < w.groups; ++h) {
     __m256i dot[MT];
-    for (int64_t half = 0; half < 2; ++half) {  // chunks 2 half, 2 half + 1: 8 K values
-      const uint8_t* c = w.chunk(p, h * kChunksPerGroup + 2 * half);
-      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kChunkBytes));
-      for (int i = 0; i < MT; ++i) {
-        const int8_t* xq = x.q.data() + (m0 + i) * x.k_size + h * kGroup + 8 * half;
-        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(xq)),
-                                               _mm256_maddubs_epi16(c1, broadcast4(xq + 4)));
-        const __m256i sums = _mm256_madd_epi16(pairs, ones);
-        dot[i] = half == 0 ? sums : _mm256_add_epi32(dot[i], sums);
-      }
-    }
+    group_dots<MT>(dot, x, w, m0, p, h);
     const S* sm = w.scales(p, h);
-    const __m256 s = load8(sm), m = load8(sm + kCols);
-    for (int i = 0; i < MT; ++i) {
-      const float* sc = x.s.data() + ((m0 + i) * w.groups + h) * 2;  // (sx, sx * xs)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(s, _mm256_set1_ps(sc[0])), acc[i]);
-      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sc[1]), acc[i]);
-    }
+    add_group_terms<MT>(acc, dot, load8(sm), load8(sm + kCols), x.s.data() + (m0 * w.groups + h) * 2, w.groups * 2);
   }
-  for (int i = 0; i < MT; ++i) {
-    float lanes[kCols];
-    _mm256_storeu_ps(lanes, acc[i]);
-    store_columns(out, n_size, m0 + i, p, lanes, bias);
-  }
+  store_panel_tile<MT>(out, n_size, m0, p * kCols, acc, bias);
 }
-#endif
 #else
 template <int MT, typename T, typename S>
 void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w, const float* bias, int64_t m0,
@@ -167,7 +119,7 @@ void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>&
         acc[j] = std::fma(scale_value(sm[kCols + j]), sc[1], acc[j]);
       }
     }
-    store_columns(out, n_size, row, p, acc, bias);
+    store_panel_row(out, n_size, row, p * kCols, acc, bias);
   }
 }
 #endif
@@ -176,30 +128,9 @@ template <typename T, typename S>
 void int8g_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Panels<S>& w,
                    int64_t n_size, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
-  const int64_t panels = (n_size + kCols - 1) / kCols;
-  // No software prefetch, as in int4_q8.cpp: the hardware prefetchers follow each thread's panels.
-  const int64_t block_rows = std::max<int64_t>(kRowsAtOnce, kBlockBytes / k_size / kRowsAtOnce * kRowsAtOnce);
-  for (int64_t b0 = 0; b0 < m_size; b0 += block_rows) {
-    const int64_t b1 = std::min(m_size, b0 + block_rows);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t m0 = b0; m0 < b1; m0 += kRowsAtOnce) {
-          switch (std::min(kRowsAtOnce, b1 - m0)) {
-#if defined(TANDEM_INT8G_Q8_VNNI)
-            case 8: panel_tile<8>(out, n_size, xq, w, bias, m0, p); break;
-            case 7: panel_tile<7>(out, n_size, xq, w, bias, m0, p); break;
-            case 6: panel_tile<6>(out, n_size, xq, w, bias, m0, p); break;
-            case 5: panel_tile<5>(out, n_size, xq, w, bias, m0, p); break;
-#endif
-            case 4: panel_tile<4>(out, n_size, xq, w, bias, m0, p); break;
-            case 3: panel_tile<3>(out, n_size, xq, w, bias, m0, p); break;
-            case 2: panel_tile<2>(out, n_size, xq, w, bias, m0, p); break;
-            default: panel_tile<1>(out, n_size, xq, w, bias, m0, p); break;
-          }
-        }
-      }
-    });
-  }
+  for_each_panel_tile(m_size, k_size, (n_size + kCols - 1) / kCols, [&](auto rows, int64_t m0, int64_t p) {
+    panel_tile<decltype(rows)::value>(out, n_size, xq, w, bias, m0, p);
+  });
 }
 
 }  // namespace
