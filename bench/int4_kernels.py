@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="x's dtype")
     parser.add_argument("--layers", type=int, default=1, help="layers' weights each kernel runs over in turn")
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error("--layers must be at least 1")
     if not cpu.available():
         raise SystemExit(f"the fused CPU kernels are not available: {cpu.unavailable_reason()}")
     torch.manual_seed(0)

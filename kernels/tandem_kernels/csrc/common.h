@@ -18,7 +18,7 @@
 //     gguf_linear.cpp          the grouped int8 layout (GGUF Q5_K / Q6_K / Q8_0), float or bf16 activations
 //     int4_q8.cpp              4-bit weights against int8 activations (AVX-512 VNNI, AVX2 or plain loops)
 //     int8g_q8.cpp             the grouped int8 layout's 6-bit codes against int8 activations (same three)
-//       q8_rows.h                the activations' 8-bit quantization both share
+//       q8_rows.h                what both share: the activations' 8-bit quantization, the tile loop, the stores
 //     amx_linear.cpp           bf16 linears on AMX tiles
 //     bf16_linear.cpp          bf16 linears with AVX-512 BF16 dot products, on a packed weight (no AMX)
 //     penalties.cpp            repetition / frequency / presence penalties from token tables
