@@ -23,9 +23,9 @@ Reported, as medians over the timed steps:
 
 - host ms: a step's wall time minus the time spent waiting for the simulated device, at D = 0.
   This is the work a GPU would wait on if nothing overlapped it. With async scheduling
-  (``--scheduling async``: each step is launched on the executor's step thread before the one
-  before is processed) it is the period at D = 0: the host's work per step, spread over the
-  engine's thread and the step thread;
+  (``--scheduling async``: each step is launched before the one before is processed; a plain
+  decode step on the engine's thread, any other on the executor's step thread) it is the period
+  at D = 0: the host's work per step;
 - period at D: a step's wall time with the device busy D ms per step. Host work hidden
   behind the device gives period ~ max(D, host); host work that is not hidden gives
   period ~ D + host. The table also gives period / max(D, host): 1.0 when the host is
@@ -209,7 +209,7 @@ class Point:
     steps_ms: dict[str, list[float]] = field(default_factory=dict)  # str(D) -> every step's wall time
     load_average: float = math.nan  # the machine's 1-minute load average once the point was timed
     # At D = 0: the engine thread's own CPU time per step (min, median), which the load of other
-    # processes on the machine barely moves (async: the step thread's work is not in it)
+    # processes on the machine barely moves (async: a step run on the step thread is not in it)
     engine_cpu_ms: tuple[float, float] = (math.nan, math.nan)
 
 

@@ -188,8 +188,8 @@ def test_aborts_while_a_step_is_in_flight_free_everything_and_stop_the_outputs(c
 
 def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_behind(checkpoint):
     """Plain decode steps (greedy or drawn) are left pending until the next step is queued: each is read after
-    the following launch (or a flush, when none follows); other steps read the pending one first.
-    The outputs equal the synchronous engine's; no sequence's last token outlives it."""
+    the following launch (or when the engine asks for it, when none follows); other steps read the
+    pending one first. The outputs equal the synchronous engine's; no sequence's last token outlives it."""
     specs = [(f"g{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True))
              for i in range(4)]
     specs.append(("sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=9, ignore_eos=True)))
@@ -205,8 +205,11 @@ def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_be
 
     drawn = []  # deferred steps with a temperature-sampled sequence
 
+    threads = {"launch-deferred": set(), "run": set(), "read": set()}
+
     def spying_launch(sched, defer, greedy=False):
         events.append("launch-deferred" if defer else "run")
+        threads[events[-1]].add(threading.get_ident())
         if defer and any(not s.sampling_params.greedy for s in sched.scheduled):
             drawn.append(len(events))
         if defer:  # greedy: every token an argmax (deferral's finding), checked here
@@ -215,6 +218,7 @@ def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_be
 
     def spying_read(step):
         events.append("read")
+        threads["read"].add(threading.get_ident())
         return read(step)
 
     runner.launch, runner.read = spying_launch, spying_read
@@ -230,6 +234,10 @@ def test_deferred_steps_are_read_after_the_next_is_launched_and_leave_nothing_be
         engine.shutdown()
     assert events.count("launch-deferred") >= 5 and events.count("read") == events.count("launch-deferred")
     assert drawn, "temperature sampling (seeded, no top-p) is deferred too"
+    # A deferred step is launched and read on the engine's thread (no hand-over per step); the
+    # others run on the step thread, so the engine processes the step before meanwhile.
+    assert threads["launch-deferred"] == threads["read"] == {threading.get_ident()}
+    assert threads["run"] and threading.get_ident() not in threads["run"]
     for i, event in enumerate(events):
         if event == "launch-deferred":  # its read comes after the next launch, if any launch follows
             later = events[i + 1:]

@@ -261,8 +261,6 @@ class LLMEngine:
                 launched.grammar = sched.grammar = LateGrammar()
             launched.future = self.executor.execute_model_async(sched)
         previous, self._inflight = self._inflight, launched
-        if launched is None and previous is not None:
-            self.executor.flush()  # nothing queued behind it: the executor must not hold it back
         try:
             return self._process(previous, previous.future.result()) if previous is not None else []
         finally:  # the runner waits on the grammar to sample: it is always resolved
@@ -439,7 +437,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         inflight, self._inflight = self._inflight, None
         if inflight is not None:  # let the worker finish the step it runs
-            self.executor.flush()
             if inflight.grammar is not None and not inflight.grammar.done():
                 inflight.grammar.set_result(None)
             try:

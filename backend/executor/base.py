@@ -43,10 +43,6 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; returns the output rank's output."""
 
-    def flush(self) -> None:
-        """Resolve every launched step's future soon, though no step follows it (an executor
-        that resolves a step only once the next is queued behind it overrides this)."""
-
     def execute_model_async(self, sched: SchedulerOutput) -> Future:
         """Launch one step; its ``ModelRunnerOutput`` comes in the future. Steps run in the order
         launched. Here the step runs before this returns; executors that overlap override it."""

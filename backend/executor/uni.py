@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from concurrent.futures import wait as wait_for
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -11,25 +13,29 @@ from backend.executor.base import Executor
 from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import SchedulerOutput
 from backend.types.config import EngineConfig
-from backend.worker.deferred_step import GREEDY, DeferredStep, deferral
+from backend.worker.deferred_step import GREEDY, deferral
 from backend.worker.worker import Worker
 
 
 class UniExecutor(Executor):
-    """With async scheduling, steps run on one thread of their own, in launch order, while the
-    engine's thread schedules the next and processes the last (torch releases the GIL).
-
-    On CUDA a plain decode step (``deferral``) is launched and left on the device: its future
-    is resolved once the next step has been queued behind it (or on ``flush``), so the device
-    never waits for the host to read one step's tokens and prepare the next. Any other step
-    first resolves the one left pending, then runs and resolves at once."""
+    """With async scheduling, a step that ``deferral`` allows (a plain decode step) is launched
+    on the caller's (the engine's) thread where the device runs queued work by itself (CUDA):
+    its kernels are queued behind the step before and its tokens are read only when the engine
+    asks for its result, after it has launched the next. One thread does all of a step's host
+    work, as in sync mode, and the device never waits for the host to read one step and prepare
+    the next. Any other step runs on a thread of its own, after the one left pending has been
+    read, while the engine's thread processes the step before (torch releases the GIL; the
+    runner waits there for a late grammar mask). Steps run in launch order: an inline launch
+    first waits for the thread's last step. On the CPU (``defer_steps`` off) every step goes to
+    the thread."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.worker = Worker(config)
         self.worker.load_model()
         self._step_thread: Optional[ThreadPoolExecutor] = None
-        self._pending: Optional[tuple[DeferredStep, Future]] = None  # only the step thread touches it
+        self._on_thread: Optional[Future] = None  # the last step handed to the thread
+        self._pending: Optional[_ReadOnResult] = None  # the last step launched inline, until read
         # Deferring pays only where the device runs queued work by itself (CUDA); on the CPU a
         # step's kernels run inside the launch. Tests turn it on there to check its bookkeeping.
         self.defer_steps = self.worker.device.type == "cuda"
@@ -41,14 +47,32 @@ class UniExecutor(Executor):
         return self.worker.execute_model(sched)
 
     def execute_model_async(self, sched: SchedulerOutput) -> Future:
+        kind = deferral(sched) if self.defer_steps else None
+        if kind is not None:
+            return self._launch_inline(sched, greedy=kind == GREEDY)
+        self._read_pending()  # its tokens feed this step's inputs on the host
         result: Future = Future()
-        self._thread().submit(self._run_step, sched, result)
+        self._on_thread = result
+        self._thread().submit(_settle, result, lambda: self.worker.execute_model(sched))
         return result
 
-    def flush(self) -> None:
-        """Resolve the step left pending on the device (nothing will be launched behind it)."""
-        if self._step_thread is not None:
-            self._step_thread.submit(self._read_pending)
+    def _launch_inline(self, sched: SchedulerOutput, greedy: bool) -> Future:
+        if self._on_thread is not None:  # steps run in launch order: the thread's goes first
+            wait_for([self._on_thread])
+            self._on_thread = None
+        try:
+            step = self.worker.launch(sched, greedy=greedy)
+        except BaseException as error:  # noqa: BLE001 -- handed to the engine through the future
+            failed: Future = Future()
+            failed.set_exception(error)
+            return failed
+        self._pending = _ReadOnResult(lambda: self.worker.read(step))
+        return self._pending
+
+    def _read_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.resolve()
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._step_thread is None:
@@ -58,34 +82,38 @@ class UniExecutor(Executor):
                                                    initializer=initializer)
         return self._step_thread
 
-    def _run_step(self, sched: SchedulerOutput, result: Future) -> None:  # on the step thread
-        kind = deferral(sched) if self.defer_steps else None
-        if kind is None:
-            self._read_pending()
-            _settle(result, lambda: self.worker.execute_model(sched))
-            return
-        try:
-            step = self.worker.launch(sched, greedy=kind == GREEDY)
-        except BaseException as error:  # noqa: BLE001 -- handed to the engine through the future
-            self._read_pending()
-            result.set_exception(error)
-            return
-        self._read_pending()  # the step before, while this one is queued behind it on the device
-        self._pending = (step, result)
-
-    def _read_pending(self) -> None:  # on the step thread
-        if self._pending is not None:
-            (step, result), self._pending = self._pending, None
-            _settle(result, lambda: self.worker.read(step))
-
     def shutdown(self) -> None:
         if self._step_thread is not None:
-            self._step_thread.submit(self._read_pending)
             self._step_thread.shutdown(wait=True)
             self._step_thread = None
+        self._read_pending()
 
 
-def _settle(result: Future, compute) -> None:
+class _ReadOnResult(Future):
+    """A deferred step's future: its tokens are read (waiting for the device) on the thread
+    that first asks for its result, or by the executor before it runs a step behind it."""
+
+    def __init__(self, read: Callable[[], ModelRunnerOutput]) -> None:
+        super().__init__()
+        self._read: Optional[Callable[[], ModelRunnerOutput]] = read
+        self._reading = threading.Lock()
+
+    def resolve(self) -> None:
+        with self._reading:
+            read, self._read = self._read, None
+            if read is not None:
+                _settle(self, read)
+
+    def result(self, timeout: Optional[float] = None) -> ModelRunnerOutput:
+        self.resolve()
+        return super().result(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self.resolve()
+        return super().exception(timeout)
+
+
+def _settle(result: Future, compute: Callable[[], ModelRunnerOutput]) -> None:
     try:
         result.set_result(compute())
     except BaseException as error:  # noqa: BLE001 -- handed to the engine through the future
