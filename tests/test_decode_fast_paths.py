@@ -106,7 +106,7 @@ def turn_off_scheduler_fast_path(engine: LLMEngine) -> None:
 def test_fast_paths_give_what_the_general_rules_give(monkeypatch, num_blocks, budget, later_budget, async_scheduling):
     """(200, 64): roomy; (24, 64): preemption; (200, 9): a small budget; (200, 64 then 3): more
     sequences decode than the budget has tokens (the decode run is cut short).
-    Async: each step is scheduled before the one before is processed (placeholders, epochs)."""
+    Async: each step is scheduled before the one before is processed (placeholders, preemptions since)."""
     fast, general = make_engine(num_blocks, budget), make_engine(num_blocks, budget)
     turn_off_scheduler_fast_path(general)
     for engine in (fast, general):
@@ -122,8 +122,8 @@ def test_fast_paths_give_what_the_general_rules_give(monkeypatch, num_blocks, bu
             if step == 3:
                 engine.scheduler.max_num_batched_tokens = later_budget
             sched = engine.scheduler.schedule()
-            launched = InFlightStep(sched, epochs={s.request_id: engine.scheduler.requests[s.request_id].num_preemptions
-                                                   for s in sched.scheduled} if async_scheduling else {})
+            launched = InFlightStep(sched, preemptions=engine.scheduler.num_preemptions_total
+                                    if async_scheduling else None)
             previous = in_flight.pop(id(engine), None) if async_scheduling else launched
             if async_scheduling and (sched.scheduled or sched.finished_request_ids):
                 in_flight[id(engine)] = launched

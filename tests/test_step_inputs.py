@@ -8,10 +8,12 @@ import random
 import pytest
 import torch
 
+from backend.messages.runner_output import ModelRunnerOutput
 from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 from backend.types.sampling_params import SamplingParams
 from backend.worker import step_inputs
 from backend.worker.block_tables import BlockTables
+from backend.worker.deferred_step import DeferredStep
 from backend.worker.staged_upload import StagedUpload
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,16 +57,55 @@ def test_a_decode_step_builds_what_the_general_path_builds(stage, placeholders):
         batch = decode_batch(rng, size, placeholders)
         # With async scheduling: some placeholders wait on the deferred step's tokens (on the
         # device), the others were read already, one belongs to a sequence that failed (none).
-        pending_rows = {s.request_id: row for row, s in enumerate(batch) if row % 3 == 0}
-        pending_tokens = torch.arange(1000, 1000 + size)
+        pending = DeferredStep(ModelRunnerOutput(), [s.request_id for s in batch], torch.arange(1000, 1000 + size))
+        for row, s in enumerate(batch):
+            if row % 3:
+                pending.forget(s.request_id)
         last_sampled = {s.request_id: 10 + i for i, s in enumerate(batch) if i % 5}
-        built = {name: build(batch, BLOCK_SIZE, tables[name], last_sampled, upload, pending_rows, pending_tokens)
+        built = {name: build(batch, BLOCK_SIZE, tables[name], last_sampled, upload, pending)
                  for name, build in (("decode", step_inputs._decode_step_inputs),
                                      ("mixed", step_inputs._mixed_step_inputs))}
         assert tensors(built["decode"]) == tensors(built["mixed"]), size
         if placeholders:
             filled = built["decode"].input_ids.tolist()
             assert any(t >= 1000 for t in filled) and PLACEHOLDER_TOKEN_ID not in filled
+
+
+@pytest.mark.parametrize("change", ["none", "forgotten", "reordered", "one known", "one more"])
+def test_a_decode_step_behind_a_deferred_one_takes_its_tokens_row_for_row(change):
+    """Async scheduling's usual step runs the sequences of the deferred step before it, in its
+    order, each on a placeholder: the tokens are copied over whole. Any difference (a sequence
+    forgotten, another order, a token known already, a sequence more) takes the row-by-row path;
+    every variant builds what the general path builds."""
+    rng = random.Random(3)
+    batch = decode_batch(rng, 12, placeholders=False)
+    batch = [ScheduledRequest(s.request_id, [PLACEHOLDER_TOKEN_ID], *astuple_tail(s)) for s in batch]
+    order = [s.request_id for s in batch]
+    last_sampled = {request_id: 10 + i for i, request_id in enumerate(order)}
+    if change == "reordered":
+        order = order[1:] + order[:1]
+    elif change == "one known":
+        batch[4] = ScheduledRequest(batch[4].request_id, [77], *astuple_tail(batch[4]))
+    elif change == "one more":
+        order = order[:-1]
+    pending = DeferredStep(ModelRunnerOutput(), order, torch.arange(1000, 1000 + len(order)))
+    if change == "forgotten":
+        pending.forget(order[5])
+    upload = StagedUpload(torch.device("cpu"), stage=False)
+    built = {name: build(batch, BLOCK_SIZE, BlockTables(), last_sampled, upload, pending)
+             for name, build in (("decode", step_inputs._decode_step_inputs),
+                                 ("mixed", step_inputs._mixed_step_inputs))}
+    assert tensors(built["decode"]) == tensors(built["mixed"])
+    expected = {"none": list(range(1000, 1012)), "forgotten": [*range(1000, 1005), 15, *range(1006, 1012)],
+                "reordered": [1011, *range(1000, 1011)], "one known": [*range(1000, 1004), 77, *range(1005, 1012)],
+                "one more": [*range(1000, 1011), 21]}[change]
+    assert built["decode"].input_ids.tolist() == expected
+
+
+def astuple_tail(s: ScheduledRequest) -> tuple:
+    """A scheduled request's fields after its token IDs."""
+    return (s.start_pos, s.block_ids, s.needs_sample, s.sampling_params, s.prompt_token_ids, s.output_token_ids,
+            s.eos_token_id)
 
 
 def test_the_array_path_serves_only_steps_of_single_decode_tokens(monkeypatch):

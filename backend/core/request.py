@@ -29,7 +29,7 @@ class Request:
                  "arrival_time", "cache_salt", "status", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "num_inflight_tokens", "num_placeholders", "num_cached_tokens",
                  "num_preemptions", "block_hashes", "finish_reason", "stop_reason", "prompt_logprobs",
-                 "first_token_time", "scheduled_time", "draft_token_ids", "stop_filter")
+                 "first_token_time", "scheduled_time", "draft_token_ids", "stop_filter", "preempted_at")
 
     def __init__(
         self,
@@ -61,6 +61,8 @@ class Request:
         self.num_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
         self.num_preemptions = 0
+        # The scheduler's num_preemptions_total just after this sequence's last preemption (0: never).
+        self.preempted_at = 0
         self.block_hashes: list[bytes] = []  # chained digests of full blocks, see BlockManager
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int] = None

@@ -148,6 +148,7 @@ class Scheduler:
         request.num_inflight_tokens = 0  # an in-flight step's results for it keep only the token
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        request.preempted_at = self.num_preemptions_total
         self.waiting.appendleft(request)
 
     def _at_length_limit(self, request: Request) -> bool:
@@ -163,7 +164,7 @@ class Scheduler:
         ``_make_scheduled`` for one token at its end, in one loop over the batch. Returns (the
         index of the first request that needs the general rule (a preemption among others), or
         the end; the budget left)."""
-        running, block_size = self.running, self.block_manager.block_size
+        running, block_size, max_model_len = self.running, self.block_manager.block_size, self.max_model_len
         req_blocks_get, allocate_slots = self.block_manager.req_blocks.get, self.block_manager.allocate_slots
         append = scheduled.append
         first, end = i, min(len(running), i + budget)  # one token each
@@ -174,14 +175,17 @@ class Scheduler:
             num_known = len(known)
             if num_known + placeholders - start != 1 or request.draft_token_ids:
                 break
-            if placeholders and self._at_length_limit(request):
-                break
+            output_ids = request.output_token_ids
+            if placeholders:  # _at_length_limit, inline
+                max_tokens = request.sampling_params.max_tokens
+                if ((max_tokens is not None and len(output_ids) + placeholders >= max_tokens)
+                        or num_known + placeholders >= max_model_len):
+                    break
             held = req_blocks_get(request.request_id)
             if held is None:
                 break
             if start >= len(held) * block_size and not allocate_slots(request, 1):
                 break  # no free block: the general rule preempts
-            output_ids = request.output_token_ids
             append(ScheduledRequest(
                 request.request_id, [known[start]] if start < num_known else [PLACEHOLDER_TOKEN_ID],
                 start, held, True, request.sampling_params, request.prompt_token_ids, output_ids,

@@ -27,13 +27,13 @@ def stop_filter(request: Request, eos_token_ids, max_model_len: int) -> tuple[fr
 
 
 def apply_decode_tokens(scheduled: list[ScheduledRequest], start: int, requests: dict[str, Request],
-                        sampled: dict[str, list[int]], logprobs: Optional[dict], epochs: dict[str, int],
+                        sampled: dict[str, list[int]], logprobs: Optional[dict], preempted_since: Optional[int],
                         failed: dict[str, str], eos_token_ids, max_model_len: int,
                         block_manager: BlockManager, outputs: list[EngineOutput]
                         ) -> tuple[int, Optional[Request], Optional[Exception]]:
     """Apply ``scheduled[start:]``'s results in order, while each is a sequence that decoded one
-    token past its first output and was neither failed nor preempted (``epochs``) since it was
-    scheduled: append the token, cache its full blocks, append its output to ``outputs``. The
+    token past its first output and was neither failed nor preempted since it was scheduled
+    (``preempted_since``: the scheduler's preemption count then, None if no preemption came since): append the token, cache its full blocks, append its output to ``outputs``. The
     caller guarantees the step has no grammar, beams, prompt logprobs or pooling.
 
     One loop over the batch, without a call per sequence. Returns (i, None, None): ``scheduled[i]``
@@ -54,7 +54,7 @@ def apply_decode_tokens(scheduled: list[ScheduledRequest], start: int, requests:
             return i, None, None
         output_ids = request.output_token_ids
         if (not output_ids or s.start_pos < len(request.prompt_token_ids)
-                or (epochs and epochs.get(request_id, request.num_preemptions) != request.num_preemptions)):
+                or (preempted_since is not None and request.preempted_at > preempted_since)):
             return i, None, None
         try:
             new_tokens = sampled[request_id]  # the runner's list, shared: no one changes an output's lists

@@ -28,9 +28,9 @@ class InFlightStep:
     sched: SchedulerOutput
     # The runner's output once done (async scheduling); None: the step runs synchronously.
     future: Optional[Future] = None
-    # Sequence ID -> its num_preemptions when scheduled: a sequence preempted since keeps only
-    # the token (its KV cache went with its blocks).
-    epochs: dict[str, int] = field(default_factory=dict)
+    # The scheduler's num_preemptions_total when launched (async scheduling): a sequence preempted
+    # since (its ``preempted_at`` is larger) keeps only the token (its KV cache went with its blocks).
+    preemptions: Optional[int] = None
     # Sequence ID -> why it failed (drafting, its grammar mask); the engine ends it with the step.
     failed: dict[str, str] = field(default_factory=dict)
     grammar: Optional[LateGrammar] = None

@@ -254,9 +254,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         launched = None
         if sched.scheduled or sched.finished_request_ids:
-            requests = self.scheduler.requests
-            launched = InFlightStep(sched, epochs={s.request_id: requests[s.request_id].num_preemptions
-                                                   for s in sched.scheduled})
+            launched = InFlightStep(sched, preemptions=self.scheduler.num_preemptions_total)
             if sched.scheduled and self.structured_output.has_matchers:
                 launched.grammar = sched.grammar = LateGrammar()
             launched.future = self.executor.execute_model_async(sched)
@@ -284,7 +282,9 @@ class LLMEngine:
         constrained = self.structured_output.has_matchers
         finished_rounds: list[BeamSearch] = []
         now = time.monotonic()
-        requests, epochs = self.scheduler.requests, step.epochs
+        requests = self.scheduler.requests
+        # Preemptions since the step was launched, if any: their sequences' results are stale.
+        since = step.preemptions if step.preemptions != self.scheduler.num_preemptions_total else None
         # The decode fast path (apply_decode_tokens) serves sequences that need nothing but their token.
         plain = not (constrained or self.beams or runner_out.prompt_logprobs or runner_out.pooled)
         num_decoded, generated_before, self._first_token_prompts = 0, self.num_generation_tokens_total, 0
@@ -293,7 +293,7 @@ class LLMEngine:
         scheduled, i = step.sched.scheduled, 0
         while i < len(scheduled):
             if plain:  # a run of plain decodes, in one loop (backend/engine/decode_step.py)
-                j, ended, error = apply_decode_tokens(scheduled, i, requests, sampled, logprobs, epochs, failed,
+                j, ended, error = apply_decode_tokens(scheduled, i, requests, sampled, logprobs, since, failed,
                                                       eos_token_ids, max_model_len, block_manager, outputs)
                 num_decoded += j - i - (error is not None)
                 i = j
@@ -317,7 +317,7 @@ class LLMEngine:
             if s.request_id in failed:
                 outputs.extend(self._fail_request(request.parent_id, failed[s.request_id]))
                 continue
-            stale = bool(epochs) and epochs.get(s.request_id, request.num_preemptions) != request.num_preemptions
+            stale = since is not None and request.preempted_at > since
             try:
                 self._update(request, s, runner_out, constrained, now, outputs, finished_rounds, stale)
             except Exception as error:  # noqa: BLE001 -- this request's bookkeeping: it alone ends

@@ -53,7 +53,9 @@ class DeferredStep:
         history already (on the device), not to be counted again when read."""
         self.out = out
         self.penalties_counted = penalties_counted
-        self.rows = {request_id: row for row, request_id in enumerate(request_ids)}
+        self.request_ids = request_ids  # in row order
+        self.forgotten: set[str] = set()
+        self._rows: Optional[dict[str, int]] = None
         self.tokens = tokens
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -63,15 +65,34 @@ class DeferredStep:
         else:
             self._host, self._copied = tokens, None
 
+    @property
+    def rows(self) -> dict[str, int]:
+        """Each remaining (not forgotten) sequence's row of ``tokens``."""
+        if self._rows is None:
+            self._rows = {request_id: row for row, request_id in enumerate(self.request_ids)
+                          if request_id not in self.forgotten}
+        return self._rows
+
+    @property
+    def ids_in_row_order(self) -> Optional[list[str]]:
+        """Every sequence's ID in row order, if none was forgotten (else None: see ``rows``)."""
+        return None if self.forgotten else self.request_ids
+
     def forget(self, request_id: str) -> None:
         """The sequence ended before its token was read: it gets none."""
-        self.rows.pop(request_id, None)
+        self.forgotten.add(request_id)
+        if self._rows is not None:
+            self._rows.pop(request_id, None)
 
     def read(self) -> ModelRunnerOutput:
         """Wait for the tokens; the step's output with each remaining sequence's token."""
         if self._copied is not None:
             self._copied.synchronize()
         values = self._host.tolist()
-        for request_id, row in self.rows.items():
-            self.out.sampled_token_ids[request_id] = [values[row]]
+        sampled, forgotten = self.out.sampled_token_ids, self.forgotten
+        if forgotten:
+            sampled.update((request_id, [value]) for request_id, value in zip(self.request_ids, values)
+                           if request_id not in forgotten)
+        else:
+            sampled.update(zip(self.request_ids, [[value] for value in values]))
         return self.out

@@ -224,10 +224,8 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        pending = self.pending
         return build_step_inputs(scheduled, self.block_size, self.block_tables, self.last_sampled, self.upload,
-                                 pending.rows if pending is not None else None,
-                                 pending.tokens if pending is not None else None)
+                                 self.pending)
 
     def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """The model's forward on this pipeline stage: receive the previous stage's activations,

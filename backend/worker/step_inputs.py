@@ -19,6 +19,7 @@ from tandem_kernels import ops as kernels
 from backend.messages.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 from backend.models.attention import AttentionMetadata
 from backend.worker.block_tables import BlockTables
+from backend.worker.deferred_step import DeferredStep
 
 
 @dataclass
@@ -35,19 +36,17 @@ class StepInputs:
 
 def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block_tables: BlockTables,
                       last_sampled: dict[str, int], upload: Callable,
-                      pending_rows: Optional[dict[str, int]] = None,
-                      pending_tokens: Optional[torch.Tensor] = None) -> StepInputs:
-    """pending_rows/pending_tokens: a deferred step's sequence ID -> row of its sampled tokens
-    [rows] (on the device); a placeholder of such a sequence is filled from there."""
+                      pending: Optional[DeferredStep] = None) -> StepInputs:
+    """pending: the deferred step whose sampled tokens (on the device) fill the placeholders of
+    its sequences; a placeholder of any other sequence takes its ``last_sampled`` token."""
     build = (_decode_step_inputs if all(len(s.token_ids) == 1 and s.needs_sample
                                         and s.sampling_params.prompt_logprobs is None for s in scheduled)
              else _mixed_step_inputs)
-    return build(scheduled, block_size, block_tables, last_sampled, upload, pending_rows or {}, pending_tokens)
+    return build(scheduled, block_size, block_tables, last_sampled, upload, pending)
 
 
 def _mixed_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block_tables: BlockTables,
-                       last_sampled: dict[str, int], upload: Callable, pending_rows: dict[str, int],
-                       pending_tokens: Optional[torch.Tensor]) -> StepInputs:
+                       last_sampled: dict[str, int], upload: Callable, pending: Optional[DeferredStep]) -> StepInputs:
     """``build_step_inputs`` for any step (prefill chunks, drafts, prompt logprobs), sequence by sequence."""
     bs = block_size
     input_ids: list[int] = []
@@ -60,6 +59,8 @@ def _mixed_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block
     prompt_rows: list[tuple[ScheduledRequest, int, int, int]] = []
     gather_at: list[int] = []  # input rows whose token is gathered from the deferred step ...
     gather_from: list[int] = []  # ... from these rows of its sampled tokens
+
+    pending_rows = pending.rows if pending is not None else {}
 
     def placeholder(request_id: str, at: int) -> int:
         row = pending_rows.get(request_id)
@@ -116,7 +117,7 @@ def _mixed_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block
                       (gather_at, i64), (gather_from, i64)])
     ids, pos_t, slot_t, lens_t, starts_t, tables_t, logits_t, at_t, from_t = tensors
     if gather_at:
-        ids[at_t] = pending_tokens[from_t]
+        ids[at_t] = pending.tokens[from_t]
     meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t, seq_lens=lens_t,
                              query_start_loc=starts_t, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
     # The attention's per-step plan, shared by all layers (Triton kernels read the tensors above).
@@ -127,8 +128,8 @@ def _mixed_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block
 
 
 def _decode_step_inputs(scheduled: list[ScheduledRequest], block_size: int, block_tables: BlockTables,
-                        last_sampled: dict[str, int], upload: Callable, pending_rows: dict[str, int],
-                        pending_tokens: Optional[torch.Tensor]) -> StepInputs:
+                        last_sampled: dict[str, int], upload: Callable, pending: Optional[DeferredStep]
+                        ) -> StepInputs:
     """``build_step_inputs`` for a step of single decode tokens (no drafts, no prompt logprobs),
     the common one: the same inputs, computed as arrays over the batch rather than per sequence."""
     n = len(scheduled)
@@ -136,16 +137,24 @@ def _decode_step_inputs(scheduled: list[ScheduledRequest], block_size: int, bloc
     input_ids = [s.token_ids[0] for s in scheduled]
     gather_at: list[int] = []  # rows whose token is gathered from the deferred step ...
     gather_from: list[int] = []  # ... from these rows of its sampled tokens
+    all_pending = False  # every row's token is the deferred step's token in the same row
     if PLACEHOLDER_TOKEN_ID in input_ids:  # sampled by the step before (async scheduling)
-        for row, s in enumerate(scheduled):
-            if input_ids[row] == PLACEHOLDER_TOKEN_ID:
-                pending = pending_rows.get(s.request_id)
-                if pending is None:  # read already
-                    input_ids[row] = last_sampled.get(s.request_id, 0)
-                else:
-                    gather_at.append(row)
-                    gather_from.append(pending)
-                    input_ids[row] = 0
+        in_order = pending.ids_in_row_order if pending is not None else None
+        all_pending = (in_order is not None and len(in_order) == n and input_ids.count(PLACEHOLDER_TOKEN_ID) == n
+                       and [s.request_id for s in scheduled] == in_order)
+        if all_pending:  # the common async decode step: the same sequences as the step before
+            input_ids = [0] * n
+        else:
+            pending_rows = pending.rows if pending is not None else {}
+            for row, s in enumerate(scheduled):
+                if input_ids[row] == PLACEHOLDER_TOKEN_ID:
+                    pending_row = pending_rows.get(s.request_id)
+                    if pending_row is None:  # read already
+                        input_ids[row] = last_sampled.get(s.request_id, 0)
+                    else:
+                        gather_at.append(row)
+                        gather_from.append(pending_row)
+                        input_ids[row] = 0
     tables = block_tables.padded(scheduled)  # [n, width] int32
     pos = np.array(positions, dtype=np.int64)  # [n]
     slots = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size  # [n]
@@ -156,8 +165,10 @@ def _decode_step_inputs(scheduled: list[ScheduledRequest], block_size: int, bloc
     ids, pos_t, slot_t, lens_t, starts_t, tables_t, logits_t, at_t, from_t = upload(
         [(input_ids, i64), (pos, i64), (slots, i64), (seq_lens, i32), (np.arange(n + 1, dtype=np.int32), i32),
          (tables, i32), (logits_rows, i64), (gather_at, i64), (gather_from, i64)])
-    if gather_at:
-        ids[at_t] = pending_tokens[from_t]
+    if all_pending:
+        ids.copy_(pending.tokens)
+    elif gather_at:
+        ids[at_t] = pending.tokens[from_t]
     meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t, seq_lens=lens_t,
                              query_start_loc=starts_t, max_query_len=1, max_seq_len=max(seq_lens))
     meta.plan = kernels.plan_attention(meta.block_tables, seq_lens, query_lens, block_size,
