@@ -7,6 +7,7 @@ reads ``SchedulerOutput`` and returns ``ModelRunnerOutput``.
 from __future__ import annotations
 
 import logging
+from operator import itemgetter
 from pathlib import Path
 from typing import Optional
 
@@ -314,9 +315,8 @@ class ModelRunner:
         """Keep each sequence's last token (for placeholders) and count penalized ones' tokens
         (unless counted on the device already)."""
         history = self.sampling.history
-        last_sampled = self.last_sampled
-        for request_id, tokens in out.sampled_token_ids.items():
-            last_sampled[request_id] = tokens[-1]
+        sampled = out.sampled_token_ids
+        self.last_sampled.update(zip(sampled.keys(), map(itemgetter(-1), sampled.values())))
         if history is not None and count_penalties:
             history.record_all(out.sampled_token_ids)
         for request_id in out.failed:
