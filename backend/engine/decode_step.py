@@ -33,8 +33,9 @@ def apply_decode_tokens(scheduled: list[ScheduledRequest], start: int, requests:
                         ) -> tuple[int, Optional[Request], Optional[Exception]]:
     """Apply ``scheduled[start:]``'s results in order, while each is a sequence that decoded one
     token past its first output and was neither failed nor preempted since it was scheduled
-    (``preempted_since``: the scheduler's preemption count then, None if no preemption came since): append the token, cache its full blocks, append its output to ``outputs``. The
-    caller guarantees the step has no grammar, beams, prompt logprobs or pooling.
+    (``preempted_since``: the scheduler's preemption count then, None if no preemption came
+    since): append the token, cache its full blocks, append its output to ``outputs``. The caller
+    guarantees the step has no grammar, beams, prompt logprobs or pooling.
 
     One loop over the batch, without a call per sequence. Returns (i, None, None): ``scheduled[i]``
     needs the general rule (or i is the end); (i + 1, request, None): the token ended

@@ -45,7 +45,9 @@ class Executor(ABC):
 
     def execute_model_async(self, sched: SchedulerOutput) -> Future:
         """Launch one step; its ``ModelRunnerOutput`` comes in the future. Steps run in the order
-        launched. Here the step runs before this returns; executors that overlap override it."""
+        launched. Here the step runs before this returns; executors that overlap override it. The
+        future may complete only once its ``result()`` (or ``exception()``) is asked for: callers
+        wait on it that way, not with callbacks or ``concurrent.futures.wait``."""
         future: Future = Future()
         try:
             future.set_result(self.execute_model(sched))

@@ -91,7 +91,8 @@ class UniExecutor(Executor):
 
 class _ReadOnResult(Future):
     """A deferred step's future: its tokens are read (waiting for the device) on the thread
-    that first asks for its result, or by the executor before it runs a step behind it."""
+    that first asks for its result or exception, or by the executor before it hands a step to
+    the step thread. Until then it is not done; it cannot be cancelled."""
 
     def __init__(self, read: Callable[[], ModelRunnerOutput]) -> None:
         super().__init__()
@@ -111,6 +112,9 @@ class _ReadOnResult(Future):
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         self.resolve()
         return super().exception(timeout)
+
+    def cancel(self) -> bool:
+        return False
 
 
 def _settle(result: Future, compute: Callable[[], ModelRunnerOutput]) -> None:

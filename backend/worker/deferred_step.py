@@ -75,8 +75,10 @@ class DeferredStep:
 
     @property
     def ids_in_row_order(self) -> Optional[list[str]]:
-        """Every sequence's ID in row order, if none was forgotten (else None: see ``rows``)."""
-        return None if self.forgotten else self.request_ids
+        """Every sequence's ID in row order, if none of them was forgotten (else None: see ``rows``)."""
+        if self.forgotten and not self.forgotten.isdisjoint(self.request_ids):
+            return None
+        return self.request_ids
 
     def forget(self, request_id: str) -> None:
         """The sequence ended before its token was read: it gets none."""
