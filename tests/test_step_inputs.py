@@ -121,3 +121,14 @@ def test_the_array_path_serves_only_steps_of_single_decode_tokens(monkeypatch):
     for scheduled in (batch, batch + [chunk], batch + [no_sample], [wants_prompt_logprobs]):
         step_inputs.build_step_inputs(scheduled, BLOCK_SIZE, BlockTables(), {}, None)
     assert calls == ["decode", "mixed", "mixed", "mixed"]
+
+
+def test_only_a_forgotten_sequence_of_the_step_breaks_its_row_order():
+    """A sequence that finished without a row in the deferred step (it was not scheduled there)
+    leaves the step's rows whole, so the next step still copies its tokens over whole."""
+    pending = DeferredStep(ModelRunnerOutput(), ["a", "b", "c"], torch.tensor([7, 8, 9]))
+    pending.forget("elsewhere")
+    assert pending.ids_in_row_order == ["a", "b", "c"] and pending.rows == {"a": 0, "b": 1, "c": 2}
+    pending.forget("b")
+    assert pending.ids_in_row_order is None and pending.rows == {"a": 0, "c": 2}
+    assert pending.read().sampled_token_ids == {"a": [7], "c": [9]}
