@@ -244,6 +244,19 @@ class SamplingParams:
                 and self.min_tokens == 0)
 
     @functools.cached_property  # parameters are fixed once constructed
+    def samples_on_device(self) -> Optional[bool]:
+        """Whether a decode token can be picked without reading the device back mid-step: False
+        for a plain argmax (``argmax_only``), True for a pick on the device (temperature, top-k,
+        min-p, seeds, penalties, logit_bias, min_tokens); None where the host reads the device
+        while sampling or after it (logprobs, prompt logprobs, pooling, top-p's wide-nucleus
+        fallback)."""
+        if self.prompt_logprobs is not None or self.pooling is not None:
+            return None
+        if self.argmax_only:
+            return False
+        return None if self.wants_logprobs or self.top_p < 1.0 else True
+
+    @functools.cached_property  # parameters are fixed once constructed
     def has_penalties(self) -> bool:
         """A repetition, frequency or presence penalty is on."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -31,18 +31,15 @@ def deferral(sched: SchedulerOutput) -> Optional[str]:
     its logits' argmax; DRAWN: some need sampling rows; None: not deferrable."""
     if not sched.scheduled or sched.grammar is not None:
         return None
-    kind = GREEDY
+    drawn = False
     for s in sched.scheduled:
-        if not s.needs_sample or len(s.token_ids) != 1 or s.num_draft_tokens:
+        if not s.needs_sample or s.num_draft_tokens or len(s.token_ids) != 1:
             return None
-        params = s.sampling_params
-        if params.prompt_logprobs is not None or params.pooling is not None:
+        on_device = s.sampling_params.samples_on_device  # cached per request
+        if on_device is None:
             return None
-        if not params.argmax_only:
-            if params.wants_logprobs or params.top_p < 1.0:
-                return None
-            kind = DRAWN
-    return kind
+        drawn = drawn or on_device
+    return DRAWN if drawn else GREEDY
 
 
 class DeferredStep:
