@@ -101,11 +101,13 @@ def test_the_stand_in_groups_tokens_as_the_backends_stream_interval(tokenizer_di
 
 @pytest.mark.timeout(180)
 def test_the_bench_reports_every_workload_with_real_figures(tokenizer_dir, tmp_path):
+    # /proc counts CPU time in 10 ms ticks: each run needs well over that of frontend work (128
+    # short chats here, ~0.5 ms each), or a row can read 0.
     out = tmp_path / "capacity.json"
     workloads = ["completions-stream-logprobs", "chat-stream", "chat", "chat-short"]
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "frontend_capacity.py"), "--tokenizer", str(tokenizer_dir),
-         "--concurrency", "2,4", "--max-tokens", "8", "--tokens-per-run", "256", "--workloads", ",".join(workloads),
+         "--concurrency", "2,4", "--max-tokens", "8", "--tokens-per-run", "2048", "--workloads", ",".join(workloads),
          "--rpcs", "GenerateStream,Generate", "--parts", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
