@@ -147,7 +147,7 @@ def test_the_fleet_bench_runs_every_layout(tokenizer_dir, tmp_path):
     out = tmp_path / "fleet.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "frontend_fleet.py"), "--tokenizer", str(tokenizer_dir),
-         "--frontends", "2", "--concurrency", "4", "--max-tokens", "8", "--tokens-per-run", "128",
+         "--frontends", "2", "--concurrency", "4", "--max-tokens", "8", "--tokens-per-run", "1024",
          "--repeats", "1", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
