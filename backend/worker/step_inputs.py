@@ -139,22 +139,11 @@ def _decode_step_inputs(scheduled: list[ScheduledRequest], block_size: int, bloc
     gather_from: list[int] = []  # ... from these rows of its sampled tokens
     all_pending = False  # every row's token is the deferred step's token in the same row
     if PLACEHOLDER_TOKEN_ID in input_ids:  # sampled by the step before (async scheduling)
-        in_order = pending.ids_in_row_order if pending is not None else None
-        all_pending = (in_order is not None and len(in_order) == n and input_ids.count(PLACEHOLDER_TOKEN_ID) == n
-                       and [s.request_id for s in scheduled] == in_order)
+        all_pending = _behind_in_order(scheduled, input_ids, pending)
         if all_pending:  # the common async decode step: the same sequences as the step before
             input_ids = [0] * n
         else:
-            pending_rows = pending.rows if pending is not None else {}
-            for row, s in enumerate(scheduled):
-                if input_ids[row] == PLACEHOLDER_TOKEN_ID:
-                    pending_row = pending_rows.get(s.request_id)
-                    if pending_row is None:  # read already
-                        input_ids[row] = last_sampled.get(s.request_id, 0)
-                    else:
-                        gather_at.append(row)
-                        gather_from.append(pending_row)
-                        input_ids[row] = 0
+            _fill_placeholders(scheduled, input_ids, last_sampled, pending, gather_at, gather_from)
     tables = block_tables.padded(scheduled)  # [n, width] int32
     pos = np.array(positions, dtype=np.int64)  # [n]
     slots = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size  # [n]
@@ -175,3 +164,27 @@ def _decode_step_inputs(scheduled: list[ScheduledRequest], block_size: int, bloc
                                        seq_lens_tensor=lens_t, query_start_tensor=starts_t)
     return StepInputs(input_ids=ids, positions=pos_t, meta=meta, logits_rows=logits_rows, logits_index=logits_t,
                       sample_rows=list(zip(scheduled, logits_rows, itertools.repeat(0))), prompt_rows=[])
+
+
+def _behind_in_order(scheduled: list[ScheduledRequest], input_ids: list[int], pending: Optional[DeferredStep]) -> bool:
+    """Whether every row is a placeholder for the deferred step's token in the same row."""
+    in_order = pending.ids_in_row_order if pending is not None else None
+    return (in_order is not None and len(in_order) == len(scheduled)
+            and input_ids.count(PLACEHOLDER_TOKEN_ID) == len(scheduled)
+            and [s.request_id for s in scheduled] == in_order)
+
+
+def _fill_placeholders(scheduled: list[ScheduledRequest], input_ids: list[int], last_sampled: dict[str, int],
+                       pending: Optional[DeferredStep], gather_at: list[int], gather_from: list[int]) -> None:
+    """Row by row: a placeholder takes its sequence's ``last_sampled`` token if its step was read
+    already, else 0 now and the deferred step's token later (appended to gather_at/gather_from)."""
+    pending_rows = pending.rows if pending is not None else {}
+    for row, s in enumerate(scheduled):
+        if input_ids[row] == PLACEHOLDER_TOKEN_ID:
+            pending_row = pending_rows.get(s.request_id)
+            if pending_row is None:  # read already
+                input_ids[row] = last_sampled.get(s.request_id, 0)
+            else:
+                gather_at.append(row)
+                gather_from.append(pending_row)
+                input_ids[row] = 0
