@@ -1,9 +1,10 @@
 """This machine's limits, and what they allow a decode step of the model.
 
-Measures memory read bandwidth, and the time of the model's own weight matmuls
-(every layer's QKV, output, gate/up and down projections plus the LM head, i.e.
-all the FLOPs of a decode step except attention) at each batch size, with each
-matmul engine torch offers on this device:
+Measures memory read bandwidth, the peak rate of the kernels' dot-product instructions
+(int8 vpdpbusd, bf16 vdpbf16ps, fp32 fma: what no matmul can beat), and the time of the
+model's own weight matmuls (every layer's QKV, output, gate/up and down projections plus
+the LM head, i.e. all the FLOPs of a decode step except attention) at each batch size,
+with each matmul engine torch offers on this device:
 
     F.linear      torch's default (MKL on x86 CPUs)
     onednn        oneDNN with the weight prepacked once (what Tandem uses on CPU)
@@ -83,6 +84,23 @@ def read_bandwidth() -> float:
 def matmul_peak() -> float:
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     return 2 * 2048 ** 3 / best_time(lambda: a @ b, 3, 1.0) / 1e9
+
+
+def dot_peaks() -> dict[str, float]:
+    """kind -> G multiply-adds a second that the kernels' dot-product instruction of that kind retires
+    on every thread, with nothing else to do (``tandem_kernels.cpu.isa_peak``): what no matmul can
+    beat. Kinds the kernel build lacks are left out; empty without the C++ kernels."""
+    import tandem_kernels.cpu
+
+    if not tandem_kernels.cpu.available():
+        return {}
+    peaks = {}
+    for kind in tandem_kernels.cpu.ISA_PEAK_KINDS:
+        try:
+            peaks[kind] = tandem_kernels.cpu.isa_peak(kind, 0.5)
+        except RuntimeError:
+            continue
+    return peaks
 
 
 def model_shapes(hf_config) -> tuple[list[tuple[int, int]], int]:
@@ -264,15 +282,20 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     bandwidth, peak = read_bandwidth(), matmul_peak()
     print(f"memory read bandwidth {bandwidth:.1f} GB/s; fp32 matmul 2048^3 {peak:.0f} GFLOP/s")
+    peaks = dot_peaks()
+    if peaks:
+        print("dot-product instruction peaks, G multiply-adds/s on every thread (no matmul reaches them): "
+              + ", ".join(f"{kind} {rate:.0f}" for kind, rate in peaks.items()))
 
-    results = {"bandwidth_gbs": bandwidth, "fp32_gflops": peak, "params": params, "steps": []}
+    results = {"bandwidth_gbs": bandwidth, "fp32_gflops": peak, "dot_peaks_gmacs": peaks, "params": params,
+               "steps": []}
     torch.manual_seed(0)
     # Every layer's own weights, as in the model: the step streams them all from memory (one
     # layer's would stay in the CPU's cache and time far faster than a real step).
     weights = [torch.randn(o, i) * i ** -0.5 for _ in range(num_layers) for i, o in layer]
     weights.append(torch.randn(vocab, hidden) * 0.05)  # the LM head
     names = list(engines(cpu_has_native_bf16()))
-    print(f"\nweight matmuls of one decode step, ms (best engine -> ceiling tok/s)")
+    print("\nweight matmuls of one decode step, ms (best engine -> ceiling tok/s)")
     print(f"{'batch':>5} " + " ".join(f"{n:>15}" for n in names) + f" {'ceiling tok/s':>14} {'int8':>6}")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         row = {}

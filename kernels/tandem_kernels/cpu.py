@@ -407,3 +407,14 @@ def gguf_int8g_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     """gguf_reference.int8g_linear: x [M, K] float32/bf16 @ int8g_dequantize(codes [N, K] int8,
     scales [N, K / 16, 2] float32)^T + bias -> [M, N] in x's dtype (csrc/gguf_linear.cpp)."""
     return torch.ops.tandem_cpu.gguf_int8g_linear(x, codes, scales, bias)
+
+
+ISA_PEAK_KINDS = ("int8", "bf16", "fp32")
+
+
+def isa_peak(kind: str, seconds: float = 0.2) -> float:
+    """G multiply-adds a second that the build's ``kind`` dot-product instruction ("int8": vpdpbusd,
+    or AVX2's vpmaddubsw chain; "bf16": vdpbf16ps; "fp32": vfmadd) retires on every torch thread at
+    once, with no memory traffic: the compute ceiling of the matmul kernels (csrc/isa_peak.cpp). A
+    kind this build lacks raises, naming it."""
+    return torch.ops.tandem_cpu.isa_peak(kind, seconds)
