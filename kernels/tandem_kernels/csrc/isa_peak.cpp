@@ -25,6 +25,7 @@
 namespace tandem {
 namespace {
 
+#if defined(__AVX2__)  // every timed instruction is AVX2's or AVX-512's
 constexpr int kChains = 12;  // independent accumulators: more than any core's latency x throughput needs
 
 // Runs `iterations` rounds on every thread of the pool at once; returns the wall seconds it took.
@@ -57,6 +58,7 @@ double rate(double seconds, int products, const Init& init, const Round& round) 
   const double ops = static_cast<double>(iterations) * kChains * at::get_num_threads() * products;
   return ops / elapsed / 1e9;
 }
+#endif
 
 double int8_peak(double seconds) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
