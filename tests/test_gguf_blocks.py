@@ -161,7 +161,7 @@ def test_mixed_kquant_gguf_is_served_packed_with_the_dequantized_models_greedy_t
     assert run_engine(bf16, prompts, short) == run_engine(engine_for(mixed_gguf, dtype="bfloat16"), prompts, short)
 
 
-def test_the_repack_is_cached_and_mapped_on_later_loads(mixed_gguf, monkeypatch):
+def test_the_repack_is_cached_and_read_on_later_loads(mixed_gguf, monkeypatch):
     import tandem_kernels.cpu
     from backend.models import gguf_packed
 

@@ -1,4 +1,4 @@
-"""backend.worker.huge_pages: a CPU model's large mappings moved onto 2 MB pages, contents unchanged."""
+"""backend.models.huge_pages: a CPU model's large mappings moved onto 2 MB pages, contents unchanged."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from backend.worker import huge_pages
-from backend.worker.huge_pages import large_anonymous_mappings
+from backend.models import huge_pages
+from backend.models.huge_pages import large_anonymous_mappings
 
 
 def anon_huge_bytes() -> int:
@@ -37,7 +37,7 @@ def test_a_large_tensor_is_in_the_mappings_found():
 def test_collapsing_moves_a_touched_tensor_onto_huge_pages_and_keeps_its_values():
     script = """
 import torch
-from backend.worker.huge_pages import collapse_large_mappings, huge_pages_enabled
+from backend.models.huge_pages import collapse_large_mappings, huge_pages_enabled
 from test_huge_pages import anon_huge_bytes
 weights = torch.randn(8 << 20)  # 32 MB, touched
 expected = weights.clone()
@@ -57,7 +57,7 @@ def test_memory_advised_before_it_is_touched_faults_in_on_huge_pages():
     """The KV cache's allocation: advised while fresh, then zeroed."""
     script = """
 import torch
-from backend.worker.huge_pages import advise_huge_pages, huge_pages_enabled
+from backend.models.huge_pages import advise_huge_pages, huge_pages_enabled
 from test_huge_pages import anon_huge_bytes
 cache = torch.empty(8 << 20)  # 32 MB, not yet touched
 before = anon_huge_bytes()
@@ -76,7 +76,7 @@ def test_a_zeroed_tensor_reads_zeros_is_writable_and_costs_no_memory_until_writt
     resident), on 2 MB pages once written, one copy (the tensor is the mapping)."""
     script = """
 import torch
-from backend.worker.huge_pages import huge_pages_enabled, zeroed_tensor
+from backend.models.huge_pages import huge_pages_enabled, zeroed_tensor
 from test_huge_pages import anon_huge_bytes
 
 def resident():
@@ -108,7 +108,7 @@ def test_a_zeroed_tensor_is_its_mapping_and_frees_it_with_its_last_view():
     script = """
 import gc
 import torch
-from backend.worker.huge_pages import zeroed_tensor
+from backend.models.huge_pages import zeroed_tensor
 
 def mapped(address):
     with open("/proc/self/maps") as f:
@@ -155,3 +155,27 @@ def test_collapsing_leaves_the_skipped_ranges_whole_huge_pages_alone(monkeypatch
     asked.clear()
     huge_pages.collapse_large_mappings(skip=[(0, 200 * mb)])  # everything skipped
     assert asked == []
+
+
+def test_copies_in_one_arena_equal_their_sources_and_lie_aligned_in_one_mapping_on_huge_pages():
+    script = """
+import torch
+from backend.models.huge_pages import copies_in_one_arena, huge_pages_enabled
+from test_huge_pages import anon_huge_bytes
+
+sources = [torch.randint(0, 255, (6 << 20,), dtype=torch.uint8), torch.randn(3, 5).half(),
+           torch.randn(1000, 700)[:, ::7], torch.zeros(0, 4)]
+before = anon_huge_bytes()
+copies = copies_in_one_arena(sources)
+huge = anon_huge_bytes() - before
+equal = int(all(c.shape == s.shape and c.dtype == s.dtype and torch.equal(c, s) for c, s in zip(copies, sources)))
+one_storage = int(len({c.untyped_storage().data_ptr() for c in copies if c.numel()}) == 1)
+aligned = int(all(c.data_ptr() % 64 == 0 for c in copies if c.numel()))
+held = [c for c in copies if c.numel()]  # an empty tensor's pointer says nothing
+apart = int(all(a.data_ptr() + a.nbytes <= b.data_ptr() for a, b in zip(held, held[1:])))
+print(int(huge_pages_enabled()), equal, one_storage, aligned, apart, huge)
+"""
+    enabled, equal, one_storage, aligned, apart, huge = run_fresh(script)
+    assert equal and one_storage and aligned and apart
+    if enabled:
+        assert huge >= 4 << 20  # the 6 MB copy's whole 2 MB pages

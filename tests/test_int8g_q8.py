@@ -5,6 +5,8 @@ kernels against their plain-torch contracts), the kernel against its plain-torch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_correctness import random_prompts, run_engine
@@ -128,7 +130,44 @@ def test_the_load_time_packs_are_the_reference_packs():
 
 
 @needs_kernels
-def test_the_panels_are_cached_beside_the_packs_and_mapped_on_the_next_load(tmp_path):
+def mapping_path(address: int) -> str:
+    """The file behind the mapping of this process that holds ``address`` ('' for anonymous memory)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def held_packs(model):
+    """The packed weights' tensors the model's linear layers run on, whichever kernel takes them."""
+    for module in model.modules():
+        for kind in ("int4_q8_panels", "int8g_q8_panels", "int4_weight", "int4_scales", "gguf_codes", "gguf_scales"):
+            value = getattr(module, kind, None)
+            yield from (t for t in (value if isinstance(value, tuple) else (value,)) if torch.is_tensor(t))
+
+
+@needs_kernels
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_the_panels_read_from_the_cache_live_in_anonymous_memory(tmp_path):
+    """Not in a mapping of the cache file: only anonymous memory goes onto 2 MB pages
+    (huge_pages.collapse_large_mappings), and a decode step streams these weights."""
+    from backend.models.gguf_packed import PACK_CACHE, PANEL_CACHE
+
+    mixed = write_mixed_gguf(tmp_path / "tiny-mixed.gguf")
+    for int4_activations, cache in (("int8", PANEL_CACHE), ("exact", PACK_CACHE)):
+        engine_for(mixed, quantization="gguf", dtype="float32", int4_activations=int4_activations)  # writes it
+        again = engine_for(mixed, quantization="gguf", dtype="float32", int4_activations=int4_activations)
+        assert (again.config.model_path / cache).is_file()
+        weights = list(held_packs(again.executor.worker.runner.model))
+        assert weights, int4_activations
+        assert {mapping_path(t.data_ptr()) for t in weights} <= {"", "[heap]"}, int4_activations
+
+
+@needs_kernels
+def test_the_panels_are_cached_beside_the_packs_and_read_on_the_next_load(tmp_path):
     from backend.models.gguf_packed import PANEL_CACHE
 
     mixed = write_mixed_gguf(tmp_path / "tiny-mixed.gguf")

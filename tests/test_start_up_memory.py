@@ -1,5 +1,5 @@
 """A CPU engine's start-up memory: the KV cache, every layer's K and V zeroed by the kernel on first
-touch (backend.worker.huge_pages.zeroed_tensor), one mapping each, sized by the KV budget as before;
+touch (backend.models.huge_pages.zeroed_tensor), one mapping each, sized by the KV budget as before;
 a cache larger than the host's available memory refused at start-up; and the embedding tables left
 out of the huge-page collapse where no linear layer multiplies by them."""
 

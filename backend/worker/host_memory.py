@@ -2,7 +2,7 @@
 ``MemAvailable`` (/proc/meminfo) and the room left under its cgroup's limit (v2 ``memory.max``
 less ``memory.current``; v1 ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``).
 
-The CPU KV cache is a lazily zeroed mapping (backend/worker/huge_pages.py): it takes memory as its
+The CPU KV cache is a lazily zeroed mapping (backend/models/huge_pages.py): it takes memory as its
 pages are first written, so a cache larger than this would start and then be killed under load.
 The runner checks it against this figure before allocating, and refuses at start-up instead.
 """

@@ -33,7 +33,7 @@ from backend.worker import cuda_graphs
 from backend.worker.block_tables import BlockTables
 from backend.worker.deferred_step import DeferredStep
 from backend.worker.draft_acceptance import accept_drafts
-from backend.worker.huge_pages import collapse_large_mappings, zeroed_tensor
+from backend.models.huge_pages import collapse_large_mappings, zeroed_tensor
 from backend.worker.host_memory import host_memory_available
 from backend.worker.pooler import Pooler
 from backend.worker.logprobs import compute_prompt_logprobs
@@ -166,7 +166,7 @@ class ModelRunner:
 
     def _zeroed_cache(self, shape) -> torch.Tensor:
         """One layer's K or V cache, zeroed; on the CPU zeroed by the kernel as its pages are first
-        written, on 2 MB pages (backend.worker.huge_pages.zeroed_tensor)."""
+        written, on 2 MB pages (backend.models.huge_pages.zeroed_tensor)."""
         if self.device.type == "cpu":
             return zeroed_tensor(tuple(shape), self.kv_dtype)
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
