@@ -5,8 +5,6 @@ kernels against their plain-torch contracts), the kernel against its plain-torch
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from test_correctness import random_prompts, run_engine
@@ -14,6 +12,7 @@ from test_gguf_blocks import engine_for, write_mixed_gguf
 
 import tandem_kernels.cpu
 from tandem_kernels import gguf_reference as G
+from backend.models.huge_pages import huge_pages_enabled
 from backend.models.int4_weights import quantize_int4
 from backend.types.sampling_params import SamplingParams
 
@@ -129,7 +128,6 @@ def test_the_load_time_packs_are_the_reference_packs():
         tandem_kernels.cpu.int8g_q8_pack(torch.full((8, 32), -33, dtype=torch.int8), torch.ones(8, 2, 2))
 
 
-@needs_kernels
 def mapping_path(address: int) -> str:
     """The file behind the mapping of this process that holds ``address`` ('' for anonymous memory)."""
     with open("/proc/self/maps") as f:
@@ -150,7 +148,7 @@ def held_packs(model):
 
 
 @needs_kernels
-@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+@pytest.mark.skipif(not huge_pages_enabled(), reason="the copy is made where the system has 2 MB pages (Linux THP)")
 def test_the_panels_read_from_the_cache_live_in_anonymous_memory(tmp_path):
     """Not in a mapping of the cache file: only anonymous memory goes onto 2 MB pages
     (huge_pages.collapse_large_mappings), and a decode step streams these weights."""
@@ -164,6 +162,28 @@ def test_the_panels_read_from_the_cache_live_in_anonymous_memory(tmp_path):
         weights = list(held_packs(again.executor.worker.runner.model))
         assert weights, int4_activations
         assert {mapping_path(t.data_ptr()) for t in weights} <= {"", "[heap]"}, int4_activations
+
+
+@needs_kernels
+@pytest.mark.skipif(not huge_pages_enabled(), reason="the copy is made where the system has 2 MB pages (Linux THP)")
+def test_only_what_comes_from_a_mapped_cache_is_copied(tmp_path, monkeypatch):
+    """The first load builds the packs and panels in the process's own memory (the runner's
+    collapse moves them): nothing to copy; the next load maps both caches and copies what it keeps."""
+    from backend.models import gguf_packed
+
+    copied = []
+
+    def counting(tensors):
+        copied.append(len(tensors))
+        return gguf_packed_copies(tensors)
+
+    gguf_packed_copies = gguf_packed.copies_in_one_arena
+    monkeypatch.setattr(gguf_packed, "copies_in_one_arena", counting)
+    mixed = write_mixed_gguf(tmp_path / "tiny-mixed.gguf")
+    engine_for(mixed, quantization="gguf", dtype="float32", int4_activations="int8")
+    assert copied == []
+    engine_for(mixed, quantization="gguf", dtype="float32", int4_activations="int8")
+    assert len(copied) == 1 and copied[0] > 0
 
 
 @needs_kernels

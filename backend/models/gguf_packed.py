@@ -35,7 +35,7 @@ import tandem_kernels.cpu
 
 from backend.models.gguf_blocks import INT4F_TYPES, int4f_from_gguf, int8g_from_gguf
 from backend.models.gguf_file import read_gguf
-from backend.models.huge_pages import copies_in_one_arena
+from backend.models.huge_pages import copies_in_one_arena, huge_pages_enabled
 from backend.models.int4_weights import int4_from_gguf
 from backend.models.linear import LinearBase
 from backend.models.linear_methods import int8_activation_panels
@@ -158,12 +158,17 @@ def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_di
     ``weight_is_packed`` where the pack replaces it (``pack_replaces_weight``); call it before
     ``model.load_weights``, which then skips those weights. With ``int8_panels`` (int8 activations,
     the fused CPU kernels loaded) a layer whose integer kernel takes its pack gets ``layer.gguf_panels``
-    (``cached_panels``') instead. What CPU layers keep is copied into one arena of the process's own
-    memory, on 2 MB pages (``copies_in_one_arena``): the caches are file mappings, whose 4 KB pages
-    made a batch-1 decode step of a 1B Q4_K_M file 12-18 % slower (AMD EPYC, 2 cores). Returns how
-    many layers got a pack."""
+    (``cached_panels``') instead. Returns how many layers got a pack.
+
+    Where a cache was read from its file (a mapping, on 4 KB page-cache pages) and the system has
+    2 MB pages, what CPU layers keep of it is copied into one arena on 2 MB pages
+    (``copies_in_one_arena``): batch-1 decode of a 1B file ~10 % (Q4_K_M) to ~30 % (Q4_1) faster on
+    a 2-core AMD EPYC, for 1-2 s more start-up; each process then holds its own copy, as it does
+    of any other model's weights."""
     check_gguf_model_type(hf_config)
     modules = dict(model.named_modules())
+    mapped = {"gguf_panels": _cache_file(cache_dir, PANEL_CACHE)} | dict.fromkeys(
+        (f"gguf_{layout}" for layout in ("int4", "int4f", "int8g")), _cache_file(cache_dir, PACK_CACHE))
     packs = cached_packs(gguf_file, hf_config, cache_dir)
     panels = cached_panels(packs, cache_dir) if int8_panels and tandem_kernels.cpu.available() else {}
     packed = 0
@@ -182,20 +187,25 @@ def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_di
         if pack_replaces_weight(module, layout):
             module.weight_is_packed = True
         packed += 1
-    _copy_cpu_packs_out_of_mappings(modules.values())
+    if huge_pages_enabled():
+        _copy_cpu_packs_out_of_mappings(modules.values(), [name for name, was_mapped in mapped.items() if was_mapped])
     logger.info("quantization='gguf': %d linear layers keep their quantized tensors packed", packed)
     return packed
 
 
-PACK_ATTRIBUTES = ("gguf_panels", "gguf_int4", "gguf_int4f", "gguf_int8g")
+def _cache_file(cache_dir: Optional[Path], name: str) -> bool:
+    """Whether the cache ``name`` is on disk, so that ``_mapped_cache`` maps it rather than builds it."""
+    return cache_dir is not None and (cache_dir / name).is_file()
 
 
-def _copy_cpu_packs_out_of_mappings(modules) -> None:
-    """Replace the tensors of every CPU layer's pack or panels (``PACK_ATTRIBUTES``) with copies in
-    one huge-page arena; the tuples keep their other items (layout names, N)."""
+def _copy_cpu_packs_out_of_mappings(modules, attributes: list[str]) -> None:
+    """Replace the tensors of every CPU layer's ``attributes`` (packs or panels, from a mapped
+    cache) with copies in one huge-page arena; the tuples keep their other items (layout names, N)."""
     held = [(m, name) for m in modules if isinstance(m, LinearBase) and m.weight.device.type == "cpu"
-            for name in PACK_ATTRIBUTES if hasattr(m, name)]
+            for name in attributes if hasattr(m, name)]
     tensors = [t for m, name in held for t in getattr(m, name) if torch.is_tensor(t)]
+    if not tensors:
+        return
     copies = iter(copies_in_one_arena(tensors))
     for m, name in held:
         setattr(m, name, tuple(next(copies) if torch.is_tensor(t) else t for t in getattr(m, name)))

@@ -10,9 +10,9 @@ grows as before). Elsewhere (THP ``never``, older kernels, not Linux) it does no
 
 Weights a model would keep in a file mapping (the GGUF repack caches, read with ``torch.load(...,
 mmap=True)``) sit on 4 KB page-cache pages that no collapse moves: ``copies_in_one_arena`` copies
-them into one 2 MB-aligned anonymous arena instead (a 1B Q4_K_M file's batch-1 step: 30.5-35.6 ms
-a token from the mapping, 20.8-29.5 from the arena, alternating runs on a 2-core AMD EPYC; ~0.3-0.5 s
-more start-up for its 850 MB).
+them into one 2 MB-aligned anonymous arena instead (a 1B file's batch-1 decode, alternating runs
+on a 2-core AMD EPYC: Q4_K_M 27.3-35.7 ms a token from the mapping, 20.8-30.3 from the arena, ~10 %
+by the medians; Q4_1 27.1-33.9 and 19.4-23.3; start-up 1-2 s longer for the ~850 MB).
 
 The KV cache is asked for 2 MB pages before it is first written (``MADV_HUGEPAGE``): attention
 reads each sequence's blocks, 2 KB runs that churn scatters over a cache of up to gigabytes, and on

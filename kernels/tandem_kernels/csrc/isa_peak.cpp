@@ -1,7 +1,10 @@
 // isa_peak: how many multiply-adds a second this build's dot-product instructions retire on this
 // CPU, every thread of torch's pool issuing them at once on independent accumulators, with no memory
-// traffic. It is the compute ceiling the matmul kernels work under (bench/ceiling.py prints it), not
-// a rate any kernel can reach: a kernel also loads, converts and scales.
+// traffic (operands in registers). It is the compute ceiling the matmul kernels work under
+// (bench/ceiling.py prints it), not a rate any kernel can reach: a kernel also loads, converts and
+// scales. The int8 and bf16 kinds time 512-bit instructions: on CPUs that retire two of them a
+// cycle (Intel's with a second 512-bit FMA unit) that is twice what 256-bit code can reach; on AMD's
+// Zen 4, which splits a 512-bit instruction in two, the same.
 //
 // kind, and the instruction timed (a multiply-add is one product added into a sum):
 //   "int8": vpdpbusd on 512-bit registers where the build has AVX-512 VNNI (64 u8 x s8 products an
@@ -84,8 +87,9 @@ double int8_peak(double seconds) {
 double bf16_peak(double seconds) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   return rate<__m512>(seconds, 32, [](int i) { return _mm512_set1_ps(static_cast<float>(i)); }, [](__m512* acc) {
-    __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = a;  // bf16 1.0
-    asm volatile("" : "+v"(a), "+v"(b));
+    __m512i ones = _mm512_set1_epi16(0x3f80), twos = _mm512_set1_epi16(0x4000);  // bf16 1.0 and 2.0
+    asm volatile("" : "+v"(ones), "+v"(twos));  // integer vectors: clang 17 cannot place bf16 ones in asm
+    const __m512bh a = (__m512bh)ones, b = (__m512bh)twos;
     for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
   });
 #else
