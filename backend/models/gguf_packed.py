@@ -167,8 +167,8 @@ def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_di
     of any other model's weights."""
     check_gguf_model_type(hf_config)
     modules = dict(model.named_modules())
-    mapped = {"gguf_panels": _cache_file(cache_dir, PANEL_CACHE)} | dict.fromkeys(
-        (f"gguf_{layout}" for layout in ("int4", "int4f", "int8g")), _cache_file(cache_dir, PACK_CACHE))
+    from_files = [*(PANEL_ATTRIBUTES if _cache_file(cache_dir, PANEL_CACHE) else ()),
+                  *(PACK_ATTRIBUTES if _cache_file(cache_dir, PACK_CACHE) else ())]  # read, not built
     packs = cached_packs(gguf_file, hf_config, cache_dir)
     panels = cached_panels(packs, cache_dir) if int8_panels and tandem_kernels.cpu.available() else {}
     packed = 0
@@ -188,9 +188,13 @@ def attach_packed_weights(model: nn.Module, gguf_file: Path, hf_config, cache_di
             module.weight_is_packed = True
         packed += 1
     if huge_pages_enabled():
-        _copy_cpu_packs_out_of_mappings(modules.values(), [name for name, was_mapped in mapped.items() if was_mapped])
+        _copy_cpu_packs_out_of_mappings(modules.values(), from_files)
     logger.info("quantization='gguf': %d linear layers keep their quantized tensors packed", packed)
     return packed
+
+
+PANEL_ATTRIBUTES = ("gguf_panels",)  # where attach_packed_weights puts what each cache gives a layer
+PACK_ATTRIBUTES = ("gguf_int4", "gguf_int4f", "gguf_int8g")
 
 
 def _cache_file(cache_dir: Optional[Path], name: str) -> bool:

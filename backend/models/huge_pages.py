@@ -151,11 +151,11 @@ def copies_in_one_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     offsets, end = [], 0
     for t in tensors:
         offsets.append(end)
-        end += -(-t.numel() * t.element_size() // 64) * 64
+        end += -(-t.nbytes // 64) * 64
     arena = zeroed_tensor((end,), torch.uint8)
     copies = []
     for t, start in zip(tensors, offsets):
-        copy = arena[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        copy = arena[start:start + t.nbytes].view(t.dtype).view(t.shape)
         copy.copy_(t)
         copies.append(copy)
     return copies
