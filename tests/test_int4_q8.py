@@ -93,6 +93,19 @@ def test_kernel_meets_its_reference(n, k, m, dtype, float_scales):
 
 
 @needs_kernels
+@pytest.mark.parametrize("float_scales", [False, True], ids=["fp16-scales", "fp32-scales"])
+def test_a_columns_result_does_not_depend_on_the_panels_beside_it(float_scales):
+    """With AVX-512 VNNI two adjacent panels (16 columns) share one 512-bit tile, an odd last panel
+    runs alone: a column gives the same bits in a pair, alone, and as the odd panel."""
+    qweight, scales = weights(24, 512, float_scales)
+    x = torch.randn(9, 512).to(torch.bfloat16)
+    whole = q8_kernel(x, qweight, scales, None)  # panels 0 and 1 paired, panel 2 alone
+    for lo, hi in [(0, 8), (8, 16), (16, 24), (8, 24)]:  # alone, alone, alone, paired
+        part = q8_kernel(x, qweight[lo:hi].contiguous(), scales[lo:hi].contiguous(), None)
+        assert torch.equal(part, whole[:, lo:hi]), (lo, hi)
+
+
+@needs_kernels
 def test_kernel_rounds_ties_to_even_and_passes_a_nan_on():
     qweight, scales = weights(8, 64, float_scales=False)
     x = torch.zeros(2, 64)

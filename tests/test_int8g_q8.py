@@ -77,6 +77,23 @@ def test_kernel_meets_its_reference(n, k, m, low, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_a_columns_result_does_not_depend_on_the_panels_beside_it(scale_dtype):
+    """With AVX-512 VNNI two adjacent panels (16 columns) share one 512-bit tile, an odd last panel
+    runs alone: a column gives the same bits in a pair, alone, and as the odd panel."""
+    codes, scales = int8g_weights(24, 512)
+    x = torch.randn(9, 512).to(torch.bfloat16)
+
+    def kernel(lo, hi):
+        packed, sm = G.pack_int8g_q8(codes[lo:hi].contiguous(), scales[lo:hi].contiguous())
+        return tandem_kernels.cpu.int8g_q8_linear(x, packed, sm.to(scale_dtype), hi - lo, None)
+
+    whole = kernel(0, 24)  # panels 0 and 1 paired, panel 2 alone
+    for lo, hi in [(0, 8), (8, 16), (16, 24), (8, 24)]:  # alone, alone, alone, paired
+        assert torch.equal(kernel(lo, hi), whole[:, lo:hi]), (lo, hi)
+
+
+@needs_kernels
 def test_zero_activations_give_the_bias_and_a_nan_reaches_its_row_only():
     codes, scales = int8g_weights(16, 512, seed=1)
     bias = torch.randn(16)

@@ -25,10 +25,13 @@
 //
 // With AVX2, a chunk's 8 x 4 products of one row are one vpmaddubsw against the row's 4 activations
 // broadcast (a pair sums to at most 2 x 15 x 127; a group's 8 such sums stay below 2^15, so they add in
-// 16 bits), and one vpmaddwd per group widens the 8 columns' dots. With AVX-512 VNNI (and VL), one
-// vpdpbusd adds them straight into int32 sums, 8 rows at a time (32 vector registers). Other targets
-// run the same arithmetic in plain loops. All give the same integer dots and the same fma chain, so
-// the builds agree exactly (checked on an AVX-512 VNNI CPU: the VNNI, AVX2 and plain-loop builds).
+// 16 bits), and one vpmaddwd per group widens the 8 columns' dots. With AVX-512 VNNI, one 512-bit
+// vpdpbusd adds two adjacent panels' products straight into int32 sums, 8 rows at a time (32 vector
+// registers; q8_rows.h's Q8Lanes<2>; an odd last panel runs in a 256-bit tile): at 256-2048 rows,
+// K = 2048, N = 8192 on a 2-core Zen 4 EPYC, 15-18 % faster than one panel per 256-bit tile. Other
+// targets run the same arithmetic in plain loops. All give the same integer dots and the same fma
+// chain per column, so the builds and tile widths agree exactly (checked on an AVX-512 VNNI CPU: the
+// VNNI, AVX2 and plain-loop builds; tests/test_int4_q8.py: the tile widths).
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
@@ -51,7 +54,8 @@ constexpr int64_t kCols = kQ8PanelCols;
 constexpr int64_t kChunkBytes = 32;   // a panel's 8 K values for each of its 8 columns, two a byte
 constexpr int64_t kChunksPerGroup = kGroup / 8;
 
-// The panels: panel p's chunk c (32 code bytes) and its group g's scales (8 d, then 8 m).
+// The panels: panel p's chunk c (32 code bytes) and its group g's scales (8 d, then 8 m); the next
+// panel's are code_stride() bytes and scale_stride() scales on.
 template <typename S>
 struct Panels {
   const uint8_t* codes;  // [P, K / 8, 32]
@@ -59,38 +63,41 @@ struct Panels {
   int64_t groups;
   const uint8_t* chunk(int64_t p, int64_t c) const { return codes + (p * groups * kChunksPerGroup + c) * kChunkBytes; }
   const S* scales(int64_t p, int64_t g) const { return dm + (p * groups + g) * 2 * kCols; }
+  int64_t code_stride() const { return groups * kChunksPerGroup * kChunkBytes; }
+  int64_t scale_stride() const { return groups * 2 * kCols; }
 };
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// dot[i]: row m0 + i's exact integer dots with panel p's 8 columns over group g.
-template <int MT, typename S>
-__attribute__((always_inline)) inline void group_dots(__m256i* dot, const QuantizedRows& x, const Panels<S>& w,
-                                                      int64_t m0, int64_t p, int64_t g) {
-  const __m256i low = _mm256_set1_epi8(15);
+// dot[i]: row m0 + i's exact integer dots with the 8 NP columns of panels p .. p + NP - 1 over group g.
+template <int MT, int NP, typename S>
+__attribute__((always_inline)) inline void group_dots(typename Q8Lanes<NP>::I* dot, const QuantizedRows& x,
+                                                      const Panels<S>& w, int64_t m0, int64_t p, int64_t g) {
+  using L = Q8Lanes<NP>;
   const int8_t* xq0 = x.q.data() + m0 * x.k_size + g * kGroup;
 #if defined(TANDEM_Q8_VNNI)
   // vpdpbusd adds a chunk's 4 products of each column straight into its int32 sum. Each row keeps two
   // sums (low and high nibbles), so MT rows make 2 MT independent chains.
-  __m256i sum_hi[MT];
-  for (int i = 0; i < MT; ++i) dot[i] = sum_hi[i] = _mm256_setzero_si256();
+  typename L::I sum_hi[MT];
+  for (int i = 0; i < MT; ++i) dot[i] = sum_hi[i] = L::zero();
   for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
-    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    const typename L::I bytes = L::load_bytes(w.chunk(p, g * kChunksPerGroup + c), w.code_stride());
+    const typename L::I lo = L::low_nibbles(bytes), hi = L::high_nibbles(bytes);
     for (int i = 0; i < MT; ++i) {
       const int8_t* xq = xq0 + i * x.k_size + c * 8;
-      dot[i] = _mm256_dpbusd_epi32(dot[i], lo, broadcast4(xq));
-      sum_hi[i] = _mm256_dpbusd_epi32(sum_hi[i], hi, broadcast4(xq + 4));
+      dot[i] = L::dpbusd(dot[i], lo, L::broadcast(xq));
+      sum_hi[i] = L::dpbusd(sum_hi[i], hi, L::broadcast(xq + 4));
     }
   }
-  for (int i = 0; i < MT; ++i) dot[i] = _mm256_add_epi32(dot[i], sum_hi[i]);
+  for (int i = 0; i < MT; ++i) dot[i] = L::add(dot[i], sum_hi[i]);
 #else
+  static_assert(NP == 1, "AVX2 tiles hold one panel");
   const __m256i ones = _mm256_set1_epi16(1);
   for (int i = 0; i < MT; ++i) dot[i] = _mm256_setzero_si256();  // 16-bit: two running sums per column
   // Not unrolled: unrolled, GCC computes every chunk's products before adding any and spills them.
 #pragma GCC unroll 1
   for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.chunk(p, g * kChunksPerGroup + c)));
-    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    const __m256i bytes = L::load_bytes(w.chunk(p, g * kChunksPerGroup + c), 0);
+    const __m256i lo = L::low_nibbles(bytes), hi = L::high_nibbles(bytes);
     for (int i = 0; i < MT; ++i) {
       const int8_t* xq = xq0 + i * x.k_size + c * 8;
       dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, broadcast4(xq)));
@@ -101,25 +108,28 @@ __attribute__((always_inline)) inline void group_dots(__m256i* dot, const Quanti
 #endif
 }
 
-// Rows m0 .. m0 + MT - 1 against panel p.
-template <int MT, typename T, typename S>
+// Rows m0 .. m0 + MT - 1 against panels p .. p + NP - 1.
+template <int MT, int NP, typename T, typename S>
 __attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
                                           const float* bias, int64_t m0, int64_t p) {
-  __m256 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  using L = Q8Lanes<NP>;
+  typename L::F acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = L::zero_f();
   for (int64_t g = 0; g < x.groups; ++g) {
-    __m256i dot[MT];
-    group_dots<MT>(dot, x, w, m0, p, g);
+    typename L::I dot[MT];
+    group_dots<MT, NP>(dot, x, w, m0, p, g);
     const S* dm = w.scales(p, g);
-    add_group_terms<MT>(acc, dot, load8(dm), load8(dm + kCols), x.s.data() + (m0 * x.groups + g) * 2, x.groups * 2);
+    add_group_terms<MT, L>(acc, dot, L::load_scales(dm, w.scale_stride()), L::load_scales(dm + kCols, w.scale_stride()),
+                           x.s.data() + (m0 * x.groups + g) * 2, x.groups * 2);
   }
-  store_panel_tile<MT>(out, n_size, m0, p * kCols, acc, bias);
+  store_panel_tile<MT, NP>(out, n_size, m0, p * kCols, acc, bias);
 }
 #else
-// The same arithmetic in plain loops.
-template <int MT, typename T, typename S>
+// The same arithmetic in plain loops (tiles of one panel).
+template <int MT, int NP, typename T, typename S>
 void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w, const float* bias, int64_t m0,
                 int64_t p) {
+  static_assert(NP == 1, "plain-loop tiles hold one panel");
   for (int i = 0; i < MT; ++i) {
     const int64_t row = m0 + i;
     float acc[kCols] = {};
@@ -146,8 +156,8 @@ template <typename T, typename S>
 void int4_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Panels<S>& w,
                   int64_t n_size, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
-  for_each_panel_tile(m_size, k_size, (n_size + kCols - 1) / kCols, [&](auto rows, int64_t m0, int64_t p) {
-    panel_tile<decltype(rows)::value>(out, n_size, xq, w, bias, m0, p);
+  for_each_panel_tile(m_size, k_size, (n_size + kCols - 1) / kCols, [&](auto rows, auto np, int64_t m0, int64_t p) {
+    panel_tile<decltype(rows)::value, decltype(np)::value>(out, n_size, xq, w, bias, m0, p);
   });
 }
 

@@ -15,9 +15,10 @@
 //
 // With AVX2 a chunk's 8 x 4 products of one row are one vpmaddubsw (a pair sums to at most
 // 2 x 63 x 127; two chunks' sums stay below 2^15 and add in 16 bits) and one vpmaddwd per two chunks
-// widens them. With AVX-512 VNNI (and VL) one vpdpbusd adds a chunk's products straight into int32
-// sums, 8 rows at a time. Other targets run the same arithmetic in plain loops. The builds agree
-// exactly: the same integer dots, the same fma chain.
+// widens them. With AVX-512 VNNI one 512-bit vpdpbusd adds a chunk's products of two adjacent panels
+// straight into int32 sums, 8 rows at a time (q8_rows.h's Q8Lanes<2>; an odd last panel runs in a
+// 256-bit tile). Other targets run the same arithmetic in plain loops. The builds and the tile widths
+// agree exactly: the same integer dots, the same fma chain per column.
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
@@ -47,30 +48,34 @@ struct Panels {
   int64_t groups;        // K / 16
   const uint8_t* chunk(int64_t p, int64_t c) const { return codes + (p * groups * kChunksPerGroup + c) * kChunkBytes; }
   const S* scales(int64_t p, int64_t h) const { return sm + (p * groups + h) * 2 * kCols; }
+  int64_t code_stride() const { return groups * kChunksPerGroup * kChunkBytes; }  // to the next panel's
+  int64_t scale_stride() const { return groups * 2 * kCols; }
 };
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// dot[i]: row m0 + i's exact integer dots with panel p's 8 columns over 16-group h.
-template <int MT, typename S>
-__attribute__((always_inline)) inline void group_dots(__m256i* dot, const QuantizedRows& x, const Panels<S>& w,
-                                                      int64_t m0, int64_t p, int64_t h) {
+// dot[i]: row m0 + i's exact integer dots with the 8 NP columns of panels p .. p + NP - 1 over 16-group h.
+template <int MT, int NP, typename S>
+__attribute__((always_inline)) inline void group_dots(typename Q8Lanes<NP>::I* dot, const QuantizedRows& x,
+                                                      const Panels<S>& w, int64_t m0, int64_t p, int64_t h) {
+  using L = Q8Lanes<NP>;
 #if defined(TANDEM_Q8_VNNI)
   // vpdpbusd adds a chunk's products straight into int32 sums; each row keeps two sums (even and odd
   // chunks), so MT rows make 2 MT independent chains.
-  __m256i odd[MT];
-  for (int i = 0; i < MT; ++i) dot[i] = odd[i] = _mm256_setzero_si256();
+  typename L::I odd[MT];
+  for (int i = 0; i < MT; ++i) dot[i] = odd[i] = L::zero();
 #else
+  static_assert(NP == 1, "AVX2 tiles hold one panel");
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t half = 0; half < 2; ++half) {  // chunks 2 half, 2 half + 1: 8 K values
     const uint8_t* c = w.chunk(p, h * kChunksPerGroup + 2 * half);
-    const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-    const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kChunkBytes));
+    const typename L::I c0 = L::load_bytes(c, w.code_stride());
+    const typename L::I c1 = L::load_bytes(c + kChunkBytes, w.code_stride());
     for (int i = 0; i < MT; ++i) {
       const int8_t* xq = x.q.data() + (m0 + i) * x.k_size + h * kGroup + 8 * half;
 #if defined(TANDEM_Q8_VNNI)
-      dot[i] = _mm256_dpbusd_epi32(dot[i], c0, broadcast4(xq));
-      odd[i] = _mm256_dpbusd_epi32(odd[i], c1, broadcast4(xq + 4));
+      dot[i] = L::dpbusd(dot[i], c0, L::broadcast(xq));
+      odd[i] = L::dpbusd(odd[i], c1, L::broadcast(xq + 4));
 #else
       const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(xq)),
                                              _mm256_maddubs_epi16(c1, broadcast4(xq + 4)));
@@ -80,28 +85,32 @@ __attribute__((always_inline)) inline void group_dots(__m256i* dot, const Quanti
     }
   }
 #if defined(TANDEM_Q8_VNNI)
-  for (int i = 0; i < MT; ++i) dot[i] = _mm256_add_epi32(dot[i], odd[i]);
+  for (int i = 0; i < MT; ++i) dot[i] = L::add(dot[i], odd[i]);
 #endif
 }
 
-// Rows m0 .. m0 + MT - 1 against panel p.
-template <int MT, typename T, typename S>
+// Rows m0 .. m0 + MT - 1 against panels p .. p + NP - 1.
+template <int MT, int NP, typename T, typename S>
 __attribute__((noinline)) void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w,
                                           const float* bias, int64_t m0, int64_t p) {
-  __m256 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  using L = Q8Lanes<NP>;
+  typename L::F acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = L::zero_f();
   for (int64_t h = 0; h < w.groups; ++h) {
-    __m256i dot[MT];
-    group_dots<MT>(dot, x, w, m0, p, h);
+    typename L::I dot[MT];
+    group_dots<MT, NP>(dot, x, w, m0, p, h);
     const S* sm = w.scales(p, h);
-    add_group_terms<MT>(acc, dot, load8(sm), load8(sm + kCols), x.s.data() + (m0 * w.groups + h) * 2, w.groups * 2);
+    add_group_terms<MT, L>(acc, dot, L::load_scales(sm, w.scale_stride()), L::load_scales(sm + kCols, w.scale_stride()),
+                           x.s.data() + (m0 * w.groups + h) * 2, w.groups * 2);
   }
-  store_panel_tile<MT>(out, n_size, m0, p * kCols, acc, bias);
+  store_panel_tile<MT, NP>(out, n_size, m0, p * kCols, acc, bias);
 }
 #else
-template <int MT, typename T, typename S>
+// The same arithmetic in plain loops (tiles of one panel).
+template <int MT, int NP, typename T, typename S>
 void panel_tile(T* out, int64_t n_size, const QuantizedRows& x, const Panels<S>& w, const float* bias, int64_t m0,
                 int64_t p) {
+  static_assert(NP == 1, "plain-loop tiles hold one panel");
   for (int i = 0; i < MT; ++i) {
     const int64_t row = m0 + i;
     float acc[kCols] = {};
@@ -128,8 +137,8 @@ template <typename T, typename S>
 void int8g_q8_impl(T* out, const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, const Panels<S>& w,
                    int64_t n_size, const float* bias) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m_size, k_size, kGroup);
-  for_each_panel_tile(m_size, k_size, (n_size + kCols - 1) / kCols, [&](auto rows, int64_t m0, int64_t p) {
-    panel_tile<decltype(rows)::value>(out, n_size, xq, w, bias, m0, p);
+  for_each_panel_tile(m_size, k_size, (n_size + kCols - 1) / kCols, [&](auto rows, auto np, int64_t m0, int64_t p) {
+    panel_tile<decltype(rows)::value, decltype(np)::value>(out, n_size, xq, w, bias, m0, p);
   });
 }
 

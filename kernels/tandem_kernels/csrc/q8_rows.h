@@ -86,75 +86,157 @@ QuantizedRows quantize_rows(const T* x, int64_t x_stride, int64_t m_size, int64_
   return r;
 }
 
-// out[row, n0 + j] = acc[j] + bias[n0 + j], for the panel's columns below N.
+// out[row, n0 + j] = acc[j] + bias[n0 + j], for the tile's `width` columns below N.
 template <typename T>
-inline void store_panel_row(T* out, int64_t n_size, int64_t row, int64_t n0, const float* acc, const float* bias) {
-  const int64_t cols = std::min(kQ8PanelCols, n_size - n0);
+inline void store_panel_row(T* out, int64_t n_size, int64_t row, int64_t n0, const float* acc, const float* bias,
+                            int64_t width = kQ8PanelCols) {
+  const int64_t cols = std::min(width, n_size - n0);
   for (int64_t j = 0; j < cols; ++j) out[row * n_size + n0 + j] = static_cast<T>(acc[j] + (bias ? bias[n0 + j] : 0.0f));
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline __m256 load8(const uint16_t* half_bits) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits)));
-}
-inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
-
-inline __m256i broadcast4(const int8_t* q) {  // 4 activations in every 32-bit lane
+inline int32_t four_bytes(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, sizeof v);
-  return _mm256_set1_epi32(v);
+  return v;
 }
+inline __m256i broadcast4(const int8_t* q) { return _mm256_set1_epi32(four_bytes(q)); }  // 4 activations a lane
 
-// One weight group's terms for MT rows, in the kernels' order: acc = fma(float(dot), w_scale * s, acc),
-// then acc = fma(w_min, s * xs, acc). dot: each row's 8 columns' exact integer dots; sc: the first
-// row's (s, s * xs) for the group, each next row's sc_stride floats on.
-template <int MT>
-inline void add_group_terms(__m256* acc, const __m256i* dot, __m256 w_scale, __m256 w_min, const float* sc,
-                            int64_t sc_stride) {
-  for (int i = 0; i < MT; ++i, sc += sc_stride) {
-    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(w_scale, _mm256_set1_ps(sc[0])), acc[i]);
-    acc[i] = _mm256_fmadd_ps(w_min, _mm256_set1_ps(sc[1]), acc[i]);
-  }
-}
+// The vectors of a tile of NP adjacent panels (8 NP columns: lane l is the tile's column l, panel
+// l / 8's column l % 8): one 256-bit vector for one panel, one 512-bit vector for two where the
+// target has AVX-512 VNNI. A lane's arithmetic is the same in both, so a result does not depend on
+// the tile it was computed in. Loads take the first panel's address and the distance to the next
+// panel's same place (`stride`, in elements).
+template <int NP>
+struct Q8Lanes;
 
-template <int MT, typename T>
-inline void store_panel_tile(T* out, int64_t n_size, int64_t m0, int64_t n0, const __m256* acc, const float* bias) {
-  for (int i = 0; i < MT; ++i) {
-    float lanes[kQ8PanelCols];
-    _mm256_storeu_ps(lanes, acc[i]);
-    store_panel_row(out, n_size, m0 + i, n0, lanes, bias);
+template <>
+struct Q8Lanes<1> {
+  using I = __m256i;
+  using F = __m256;
+  static I zero() { return _mm256_setzero_si256(); }
+  static F zero_f() { return _mm256_setzero_ps(); }
+  static I load_bytes(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I broadcast(const int8_t* q) { return broadcast4(q); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+  static F load_scales(const uint16_t* half_bits, int64_t) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits)));
   }
-}
+  static F load_scales(const float* v, int64_t) { return _mm256_loadu_ps(v); }
+  static F splat(float v) { return _mm256_set1_ps(v); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+#if defined(TANDEM_Q8_VNNI)
+  static I dpbusd(I acc, I u8, I s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+#endif
+};
+
+#if defined(TANDEM_Q8_VNNI)
+#define TANDEM_Q8_PANEL_PAIRS 1
+template <>
+struct Q8Lanes<2> {
+  using I = __m512i;
+  using F = __m512;
+  static I zero() { return _mm512_setzero_si512(); }
+  static F zero_f() { return _mm512_setzero_ps(); }
+  static I load_bytes(const uint8_t* p, int64_t stride) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(Q8Lanes<1>::load_bytes(p, 0)), Q8Lanes<1>::load_bytes(p + stride, 0), 1);
+  }
+  static I broadcast(const int8_t* q) { return _mm512_set1_epi32(four_bytes(q)); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+  static F load_scales(const uint16_t* half_bits, int64_t stride) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(half_bits + stride));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+  }
+  static F load_scales(const float* v, int64_t stride) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(v)), _mm256_loadu_ps(v + stride), 1);
+  }
+  static F splat(float v) { return _mm512_set1_ps(v); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static I dpbusd(I acc, I u8, I s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+};
+constexpr int kQ8TilePanels = 2;
+#else
+constexpr int kQ8TilePanels = 1;
 #endif
 
-// Calls tile(std::integral_constant<int, MT>(), m0, p) for rows m0 .. m0 + MT - 1 (MT <= kQ8TileRows)
-// against panel p, over all M rows and all panels: rows in blocks whose quantized bytes (K a row) stay
-// in cache while every panel passes over them, a panel's bytes in cache while its block's rows pass.
-// Threads take runs of panels. No software prefetch: each thread reads its panels in order, which the
-// hardware prefetchers follow; prefetching the whole panel after next (10 KB at K = 2048) held one
+// One weight group's terms for MT rows, in the kernels' order: acc = fma(float(dot), w_scale * s, acc),
+// then acc = fma(w_min, s * xs, acc). dot: each row's columns' exact integer dots; sc: the first
+// row's (s, s * xs) for the group, each next row's sc_stride floats on.
+template <int MT, typename L>
+inline void add_group_terms(typename L::F* acc, const typename L::I* dot, typename L::F w_scale,
+                            typename L::F w_min, const float* sc, int64_t sc_stride) {
+  for (int i = 0; i < MT; ++i, sc += sc_stride) {
+    acc[i] = L::fma(L::to_float(dot[i]), L::mul(w_scale, L::splat(sc[0])), acc[i]);
+    acc[i] = L::fma(w_min, L::splat(sc[1]), acc[i]);
+  }
+}
+
+template <int MT, int NP, typename T>
+inline void store_panel_tile(T* out, int64_t n_size, int64_t m0, int64_t n0, const typename Q8Lanes<NP>::F* acc,
+                             const float* bias) {
+  for (int i = 0; i < MT; ++i) {
+    float lanes[NP * kQ8PanelCols];
+    Q8Lanes<NP>::store(lanes, acc[i]);
+    store_panel_row(out, n_size, m0 + i, n0, lanes, bias, NP * kQ8PanelCols);
+  }
+}
+#else
+constexpr int kQ8TilePanels = 1;
+#endif
+
+// Calls tile(std::integral_constant<int, MT>(), m0) for rows b0 .. b1 - 1, MT <= kQ8TileRows at a time.
+template <typename RowTile>
+inline void for_each_row_tile(int64_t b0, int64_t b1, const RowTile& tile) {
+  constexpr int64_t rows = kQ8TileRows;
+  for (int64_t m0 = b0; m0 < b1; m0 += rows) {
+    switch (std::min(rows, b1 - m0)) {
+#if defined(TANDEM_Q8_VNNI)
+      case 8: tile(std::integral_constant<int, 8>(), m0); break;
+      case 7: tile(std::integral_constant<int, 7>(), m0); break;
+      case 6: tile(std::integral_constant<int, 6>(), m0); break;
+      case 5: tile(std::integral_constant<int, 5>(), m0); break;
+#endif
+      case 4: tile(std::integral_constant<int, 4>(), m0); break;
+      case 3: tile(std::integral_constant<int, 3>(), m0); break;
+      case 2: tile(std::integral_constant<int, 2>(), m0); break;
+      default: tile(std::integral_constant<int, 1>(), m0); break;
+    }
+  }
+}
+
+// Calls tile(std::integral_constant<int, MT>(), std::integral_constant<int, NP>(), m0, p) for rows
+// m0 .. m0 + MT - 1 (MT <= kQ8TileRows) against panels p .. p + NP - 1 (NP = kQ8TilePanels, or 1 for
+// an odd last panel), over all M rows and all panels: rows in blocks whose quantized bytes (K a row)
+// stay in cache while every panel passes over them, a tile's panels in cache while its block's rows
+// pass. Threads take runs of tiles. No software prefetch: each thread reads its panels in order, which
+// the hardware prefetchers follow; prefetching the whole panel after next (10 KB at K = 2048) held one
 // row's read of weights from memory to 18-25 GB/s on an AVX-512 Zen-class EPYC, 33-36 without it.
 template <typename Tile>
 void for_each_panel_tile(int64_t m_size, int64_t k_size, int64_t panels, const Tile& tile) {
   constexpr int64_t rows = kQ8TileRows;
+  constexpr int64_t np = kQ8TilePanels;
   const int64_t block_rows = std::max<int64_t>(rows, kQ8BlockBytes / k_size / rows * rows);
+  const int64_t tiles = (panels + np - 1) / np;
   for (int64_t b0 = 0; b0 < m_size; b0 += block_rows) {
     const int64_t b1 = std::min(m_size, b0 + block_rows);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t m0 = b0; m0 < b1; m0 += rows) {
-          switch (std::min(rows, b1 - m0)) {
-#if defined(TANDEM_Q8_VNNI)
-            case 8: tile(std::integral_constant<int, 8>(), m0, p); break;
-            case 7: tile(std::integral_constant<int, 7>(), m0, p); break;
-            case 6: tile(std::integral_constant<int, 6>(), m0, p); break;
-            case 5: tile(std::integral_constant<int, 5>(), m0, p); break;
-#endif
-            case 4: tile(std::integral_constant<int, 4>(), m0, p); break;
-            case 3: tile(std::integral_constant<int, 3>(), m0, p); break;
-            case 2: tile(std::integral_constant<int, 2>(), m0, p); break;
-            default: tile(std::integral_constant<int, 1>(), m0, p); break;
-          }
-        }
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = t * np;
+        if (p + np <= panels)
+          for_each_row_tile(b0, b1, [&](auto mt, int64_t m0) { tile(mt, std::integral_constant<int, np>(), m0, p); });
+        else
+          for_each_row_tile(b0, b1, [&](auto mt, int64_t m0) { tile(mt, std::integral_constant<int, 1>(), m0, p); });
       }
     });
   }
