@@ -39,9 +39,26 @@ struct QuantizedRows {
 template <typename T>
 inline float as_float(T v) { return static_cast<float>(v); }
 
-// One group of 32 values: the reference's arithmetic (fp32, round half to even). Returns s.
+#if defined(__AVX512F__)
+inline __m512 load16_as_float(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_as_float(const c10::BFloat16* p) {  // exact: the bits, 16 places up
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+// One group of 32 values: the reference's arithmetic (fp32, round half to even). Returns s; half_sums
+// gets the sums of q over [0, 16) and [16, 32).
 template <typename T>
-inline float quantize_group(const T* x, int8_t* q) {
+inline float quantize_group(const T* x, int8_t* q, int32_t* half_sums) {
+  half_sums[0] = half_sums[1] = 0;
+#if defined(__AVX512F__)
+  // Two 16-lane vectors, the same arithmetic: an exact max, the same product, rounded to nearest
+  // even by the conversion, clamped (a NaN product, inf * 0, converts to INT_MIN and clamps to -127,
+  // as the plain loop's max(-127, NaN) gives).
+  const __m512 v0 = load16_as_float(x), v1 = load16_as_float(x + 16);
+  const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+  const float a = nan ? 0.0f : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
   float a = 0.0f;
   bool nan = false;
   for (int64_t i = 0; i < kQ8Group; ++i) {
@@ -49,18 +66,34 @@ inline float quantize_group(const T* x, int8_t* q) {
     nan |= v != v;
     a = std::max(a, std::fabs(v));
   }
+#endif
   if (nan || !(a > 0.0f)) {  // all zero; or a NaN, passed on to the row's outputs through s
     std::memset(q, 0, kQ8Group);
     return nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
   }
   const float inv = 127.0f / a;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(inv);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  const __m512i q0 = _mm512_max_epi32(low, _mm512_min_epi32(high, _mm512_cvt_roundps_epi32(
+      _mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  const __m512i q1 = _mm512_max_epi32(low, _mm512_min_epi32(high, _mm512_cvt_roundps_epi32(
+      _mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  half_sums[0] = _mm512_reduce_add_epi32(q0);
+  half_sums[1] = _mm512_reduce_add_epi32(q1);
+#else
   for (int64_t i = 0; i < kQ8Group; ++i) {
     const float r = std::nearbyint(as_float(x[i]) * inv);  // the default rounding: to nearest even
     q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+    half_sums[i / 16] += q[i];
   }
+#endif
   return a / 127.0f;
 }
 
+// x's rows quantized; the sums in s are over runs of sum_width values, 16 or 32.
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t x_stride, int64_t m_size, int64_t k_size, int64_t sum_width) {
   QuantizedRows r;
@@ -73,13 +106,17 @@ QuantizedRows quantize_rows(const T* x, int64_t x_stride, int64_t m_size, int64_
     for (int64_t t = begin; t < end; ++t) {
       const int64_t m = t / groups32, g = t % groups32;
       int8_t* q = r.q.data() + m * k_size + g * kQ8Group;
-      const float s = quantize_group(x + m * x_stride + g * kQ8Group, q);
-      for (int64_t run = 0; run < runs; ++run) {
-        int32_t sum = 0;
-        for (int64_t i = run * sum_width; i < (run + 1) * sum_width; ++i) sum += q[i];
-        float* out = r.s.data() + (m * r.groups + g * runs + run) * 2;
+      int32_t half_sums[2];
+      const float s = quantize_group(x + m * x_stride + g * kQ8Group, q, half_sums);
+      float* out = r.s.data() + (m * r.groups + g * runs) * 2;
+      if (runs == 1) {
         out[0] = s;
-        out[1] = s * static_cast<float>(sum);
+        out[1] = s * static_cast<float>(half_sums[0] + half_sums[1]);
+      } else {
+        for (int64_t run = 0; run < 2; ++run) {
+          out[2 * run] = s;
+          out[2 * run + 1] = s * static_cast<float>(half_sums[run]);
+        }
       }
     }
   });
