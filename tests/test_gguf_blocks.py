@@ -78,6 +78,26 @@ def test_grouped_kernels_match_their_references(layout, dtype, rows):
         assert torch.equal(kernel(x[row:row + 1], codes, scales, bias)[0], got[row])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8g_kernel_is_batch_invariant_whatever_its_scales(dtype):
+    """Rows alone (decode, weights dequantized in registers) and batched (dequantized panels, tiles
+    of up to 4 x 4 sums) give the same bits, even for float32 scales whose products with the codes
+    are not exact, where a fused and an unfused dequantization differ."""
+    import tandem_kernels.cpu
+
+    if not tandem_kernels.cpu.available():
+        pytest.skip("needs the fused CPU kernels")
+    g = torch.Generator().manual_seed(1)
+    n, k = 40, 1024
+    codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.stack([torch.rand(n, k // 16, generator=g) * 0.01 + 1e-3,
+                          -torch.rand(n, k // 16, generator=g) * 0.05], dim=2)  # 24-bit significands
+    x = torch.randn(9, k, generator=g).to(dtype)
+    batched = tandem_kernels.cpu.gguf_int8g_linear(x, codes, scales, None)
+    for row in range(9):
+        assert torch.equal(tandem_kernels.cpu.gguf_int8g_linear(x[row:row + 1], codes, scales, None)[0], batched[row])
+
+
 # --- a tiny Llama GGUF of mixed types, served packed ----------------------------------------------
 
 HIDDEN, FFN = 256, 512  # K-quant rows are whole 256-weight super-blocks

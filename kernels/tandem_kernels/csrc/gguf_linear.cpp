@@ -6,15 +6,15 @@
 // layout, 4-bit codes with fp32 scales, is int4_linear.cpp's with float scales.)
 //
 // Up to kRegisterRows rows of x (decode), each thread dequantizes 16 weights at a time and adds
-// their products to every row's sums. More rows: each thread takes panels of kPanelRows weight
-// rows, dequantizes them once into a float buffer
-// (rounded to bf16 when x is bf16: the model with dequantized weights in the serving dtype, every
-// product exact), then runs every row of x over them: a prompt pays the dequantization once per
-// call, not once per row. Each output is the dot product in 16 fp32 lanes over K, the lanes summed
-// in a fixed tree, plus the bias, rounded once to x's dtype. The order depends on K only, never on
-// M, so a row's result does not depend on the batch it runs in. With AVX2 or AVX-512 both paths
-// run in intrinsics with the products fused (int4_vec.h's 16-lane vectors); elsewhere in plain
-// loops, multiplied and added apart.
+// their products to every row's sums. More rows: each thread takes panels of kPanelRows weight rows,
+// dequantizes them once into a float buffer, 16 weights at a time as the decode path does (rounded
+// to bf16 when x is bf16: the model with dequantized weights in the serving dtype, every product
+// exact), then runs every row of x over them in tiles of up to 4 x 4 sums (2 x 2 on AVX2): a prompt
+// pays the dequantization once per call, not once per row. Each output is the dot product in 16 fp32
+// lanes over K, the lanes summed in a fixed tree, plus the bias, rounded once to x's dtype. The
+// order depends on K only, never on M, so a row's result does not depend on the batch it runs in.
+// With AVX2 or AVX-512 both paths run in intrinsics with the products fused (int4_vec.h's 16-lane
+// vectors); elsewhere in plain loops, multiplied and added apart.
 //
 // Registered here (TORCH_LIBRARY_FRAGMENT) rather than in registration.cpp: the op is this file's.
 
@@ -75,6 +75,28 @@ inline void dot16_tile(const float* __restrict x, const float* __restrict w, int
   for (int i = 0; i < MT; ++i) {
     for (int j = 0; j < NT; ++j) out[i * out_stride + j] = reduce_v16(acc[i][j]);
   }
+}
+
+// The panel path's tiles: up to kTileRows rows of x against up to kTileCols weight rows, every sum in
+// a register. AVX-512's 32 registers hold 4 x 4 sums (8 loads per 16 fmas); AVX2's 16 hold 2 x 2 (a
+// v16 is two registers there). The shape changes no sum's order: each is dot16_tile's, lane by lane.
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 4, kTileCols = 4;
+#else
+constexpr int64_t kTileRows = 2, kTileCols = 2;
+#endif
+
+// dot16_tile<mt, nt> for mt <= kTileRows, nt <= kTileCols, chosen at run time.
+template <int MT = 1, int NT = 1>
+inline void dot16_tile_upto(int64_t mt, int64_t nt, const float* x, const float* w, int64_t k_size, float* out,
+                            int64_t out_stride) {
+  if constexpr (MT < kTileRows) {
+    if (mt > MT) return dot16_tile_upto<MT + 1, NT>(mt, nt, x, w, k_size, out, out_stride);
+  }
+  if constexpr (NT < kTileCols) {
+    if (nt > NT) return dot16_tile_upto<MT, NT + 1>(mt, nt, x, w, k_size, out, out_stride);
+  }
+  dot16_tile<MT, NT>(x, w, k_size, out, out_stride);
 }
 
 // 16 codes -> s * q + m, the scalar ``dequantize``'s values (s * q is exact: one rounding either way)
@@ -140,6 +162,17 @@ struct Int8gRows {
       for (int j = 0; j < kGroup; ++j) out[g * kGroup + j] = static_cast<float>(q[g * kGroup + j]) * scale + min;
     }
   }
+#if defined(TANDEM_INT8G_VECTOR)
+  // ``dequantize`` (then rounded to bf16 where asked) 16 weights at a time: the same values.
+  void dequantize_vector(int64_t n, bool to_bf16, float* __restrict out) const {
+    const int8_t* q = codes + n * k_size;
+    const float* s = scales + n * (k_size / kGroup) * 2;
+    for (int64_t k = 0; k < k_size; k += kGroup, s += 2) {
+      const v16 w = dequant16(q + k, s[0], s[1]);
+      store_x16(out + k, to_bf16 ? round_bf16(w) : w);
+    }
+  }
+#endif
   // weights [k, k + 16) of row n, k a multiple of 16: the same values as ``dequantize``
   void dequantize16(int64_t n, int64_t k, float* __restrict out) const {
     const int8_t* q = codes + n * k_size + k;
@@ -202,20 +235,18 @@ Tensor grouped_linear(const Tensor& x, const Rows& weights, int64_t n_size, cons
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanelRows, rows = std::min(kPanelRows, n_size - n0);
       for (int64_t r = 0; r < rows; ++r) {
+#if defined(TANDEM_INT8G_VECTOR)
+        weights.dequantize_vector(n0 + r, round_bf16, panel.data() + r * k_size);
+#else
         weights.dequantize(n0 + r, panel.data() + r * k_size);
         if (round_bf16) round_to_bf16(panel.data() + r * k_size, k_size);
+#endif
       }
 #if defined(TANDEM_INT8G_VECTOR)
-      for (int64_t m = 0; m < m_size; m += 2) {  // 2 x 2 tiles: four sums in registers, loads shared
-        for (int64_t r = 0; r < rows; r += 2) {
-          const float* xr = xp + m * k_size;
-          const float* wr = panel.data() + r * k_size;
-          float* o = op_out + m * n_size + n0 + r;
-          const bool two_m = m + 1 < m_size, two_r = r + 1 < rows;
-          if (two_m && two_r) dot16_tile<2, 2>(xr, wr, k_size, o, n_size);
-          else if (two_m) dot16_tile<2, 1>(xr, wr, k_size, o, n_size);
-          else if (two_r) dot16_tile<1, 2>(xr, wr, k_size, o, n_size);
-          else dot16_tile<1, 1>(xr, wr, k_size, o, n_size);
+      for (int64_t m = 0; m < m_size; m += kTileRows) {  // tiles: every sum in a register, loads shared
+        for (int64_t r = 0; r < rows; r += kTileCols) {
+          dot16_tile_upto(std::min(kTileRows, m_size - m), std::min(kTileCols, rows - r), xp + m * k_size,
+                          panel.data() + r * k_size, k_size, op_out + m * n_size + n0 + r, n_size);
         }
       }
 #else
