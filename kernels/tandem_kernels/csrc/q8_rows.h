@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "simd.h"  // common.h, and the vector intrinsics where the target has them
+#include "int4_vec.h"  // load_x16: 16 float or bf16 values as floats; simd.h, common.h, the intrinsics
 
 namespace tandem {
 namespace {
@@ -39,16 +39,7 @@ struct QuantizedRows {
 template <typename T>
 inline float as_float(T v) { return static_cast<float>(v); }
 
-#if defined(__AVX512F__)
-inline __m512 load16_as_float(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_as_float(const c10::BFloat16* p) {  // exact: the bits, 16 places up
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-#elif defined(__AVX2__)
-inline __m256 load8_as_float(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_as_float(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+#if defined(TANDEM_INT4_AVX2)
 inline int32_t hsum8_epi32(__m256i v) {
   const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -65,17 +56,17 @@ inline float quantize_group(const T* x, int8_t* q, int32_t* half_sums) {
   // Two 16-lane vectors, the same arithmetic: an exact max, the same product, rounded to nearest
   // even by the conversion, clamped (a NaN product, inf * 0, converts to INT_MIN and clamps to -127,
   // as the plain loop's max(-127, NaN) gives). The same for AVX2 below.
-  const __m512 v0 = load16_as_float(x), v1 = load16_as_float(x + 16);
+  const __m512 v0 = load_x16(x), v1 = load_x16(x + 16);
   const bool nan = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
   const float a = nan ? 0.0f : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-#elif defined(__AVX2__)
+#elif defined(TANDEM_INT4_AVX2)
   // Four 8-lane vectors, the same arithmetic (the conversion rounds in the current mode, as nearbyint).
-  __m256 v[4];
+  const v16 first = load_x16(x), second = load_x16(x + 16);
+  const __m256 v[4] = {first.a, first.b, second.a, second.b};
   int unordered = 0;
   __m256 top = _mm256_setzero_ps();
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int j = 0; j < 4; ++j) {
-    v[j] = load8_as_float(x + 8 * j);
     unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
     top = _mm256_max_ps(top, _mm256_and_ps(v[j], magnitude));
   }
@@ -108,7 +99,7 @@ inline float quantize_group(const T* x, int8_t* q, int32_t* half_sums) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
   half_sums[0] = _mm512_reduce_add_epi32(q0);
   half_sums[1] = _mm512_reduce_add_epi32(q1);
-#elif defined(__AVX2__)
+#elif defined(TANDEM_INT4_AVX2)
   const __m256 scale = _mm256_set1_ps(inv);
   const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
   __m256i qv[4];
